@@ -1,0 +1,1 @@
+//! eesd-bandit

@@ -1,0 +1,164 @@
+//! One LLaMA decoder layer: RMSNorm → GQA attention with RoPE → RMSNorm → SwiGLU MLP.
+//!
+//! Weights are stored `[in, out]` (the layout a matmul wants) and fused where one matmul can
+//! replace several: q/k/v share one projection and gate/up another, so a decode step issues two
+//! large matmuls instead of five small ones.
+
+use burn::module::{Module, Param};
+use burn::tensor::activation::{silu, softmax};
+use burn::tensor::{Bool, DType, FloatDType, Tensor};
+
+use crate::cache::LayerCache;
+use crate::error::Result;
+use crate::rope::Rope;
+
+/// RMSNorm: `x / sqrt(mean(x²) + ε) · γ` over the last dimension.
+pub fn rms_norm(x: Tensor<2>, gamma: Tensor<1>, eps: f64) -> Tensor<2> {
+    let rms = x.clone().square().mean_dim(1).add_scalar(eps).sqrt();
+    x.div(rms).mul(gamma.unsqueeze_dim(0))
+}
+
+/// `x · w` with `x` cast to the weight's dtype and the result back to f32, so that half-precision
+/// weights halve memory traffic while norms, softmax and the residual stream stay in f32.
+pub fn linear(x: Tensor<2>, w: Tensor<2>) -> Tensor<2> {
+    let dtype = w.dtype();
+    cast_to(cast_to(x, dtype).matmul(w), DType::F32)
+}
+
+/// Casts a float tensor unless it already has `dtype`.
+pub fn cast_to<const D: usize>(t: Tensor<D>, dtype: DType) -> Tensor<D> {
+    if t.dtype() == dtype {
+        return t;
+    }
+    let target = match dtype {
+        DType::F16 => FloatDType::F16,
+        DType::BF16 => FloatDType::BF16,
+        DType::F64 => FloatDType::F64,
+        _ => FloatDType::F32,
+    };
+    t.cast(target)
+}
+
+/// Position-dependent inputs shared by all layers of one forward call.
+#[derive(Debug, Clone)]
+pub struct AttentionContext {
+    /// RoPE cos rows for the new positions, `[1, t, head_dim]`.
+    pub cos: Tensor<3>,
+    /// RoPE sin rows for the new positions, `[1, t, head_dim]`.
+    pub sin: Tensor<3>,
+    /// Causal mask for the grouped scores `[kv_heads, group·t, past + t]` (`true` = masked);
+    /// `None` when a single new token may attend to everything.
+    pub mask: Option<Tensor<3, Bool>>,
+}
+
+impl AttentionContext {
+    /// Builds the context for `t` new tokens after `past` cached positions.
+    pub fn new(rope: &Rope, past: usize, t: usize, kv_heads: usize, group: usize) -> Self {
+        let (cos, sin) = rope.slice(past, t);
+        let device = cos.device();
+        let mask = (t > 1).then(|| {
+            Tensor::<2, Bool>::tril_mask([t, past + t], past as i64, &device)
+                .repeat_dim(0, group)
+                .unsqueeze_dim::<3>(0)
+                .repeat_dim(0, kv_heads)
+        });
+        AttentionContext { cos, sin, mask }
+    }
+}
+
+/// A LLaMA decoder layer.
+#[derive(Module, Debug)]
+pub struct DecoderLayer {
+    /// Pre-attention RMSNorm gain `[hidden]`.
+    pub attn_norm: Param<Tensor<1>>,
+    /// Fused q/k/v projection `[hidden, (heads + 2·kv_heads)·head_dim]`.
+    pub wqkv: Param<Tensor<2>>,
+    /// Output projection `[heads·head_dim, hidden]`.
+    pub wo: Param<Tensor<2>>,
+    /// Pre-MLP RMSNorm gain `[hidden]`.
+    pub mlp_norm: Param<Tensor<1>>,
+    /// Fused gate/up projection `[hidden, 2·ffn]`.
+    pub w_gate_up: Param<Tensor<2>>,
+    /// Down projection `[ffn, hidden]`.
+    pub w_down: Param<Tensor<2>>,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads.
+    pub num_kv_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+    /// Inner MLP width.
+    pub ffn: usize,
+    /// RMSNorm epsilon.
+    pub eps: f64,
+}
+
+impl DecoderLayer {
+    /// Runs the layer on `x: [t, hidden]`. With a cache, the new keys/values are appended and
+    /// attention covers every cached position; without one, attention covers `x` alone.
+    pub fn forward(
+        &self,
+        x: Tensor<2>,
+        rope: &Rope,
+        ctx: &AttentionContext,
+        cache: Option<&mut LayerCache>,
+        limit: usize,
+    ) -> Result<Tensor<2>> {
+        let h = self.attention(
+            rms_norm(x.clone(), self.attn_norm.val(), self.eps),
+            rope,
+            ctx,
+            cache,
+            limit,
+        )?;
+        let x = x + h;
+        let m = self.mlp(rms_norm(x.clone(), self.mlp_norm.val(), self.eps));
+        Ok(x + m)
+    }
+
+    fn attention(
+        &self,
+        x: Tensor<2>,
+        rope: &Rope,
+        ctx: &AttentionContext,
+        cache: Option<&mut LayerCache>,
+        limit: usize,
+    ) -> Result<Tensor<2>> {
+        let [t, _] = x.dims();
+        let (nh, nkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let group = nh / nkv;
+        let qkv = linear(x, self.wqkv.val());
+        let heads = |start: usize, n: usize| {
+            qkv.clone()
+                .narrow(1, start * d, n * d)
+                .reshape([t, n, d])
+                .swap_dims(0, 1)
+        };
+        let q = rope.apply(heads(0, nh), &ctx.cos, &ctx.sin);
+        let k = rope.apply(heads(nh, nkv), &ctx.cos, &ctx.sin);
+        let v = heads(nh + nkv, nkv);
+        let (k, v) = match cache {
+            Some(cache) => cache.append(k, v, limit)?,
+            None => (k, v),
+        };
+        // Group query heads by their kv head: [nh, t, d] → [nkv, group·t, d]; no K/V copies.
+        let q = q.reshape([nkv, group * t, d]);
+        let scores = q
+            .matmul(k.swap_dims(1, 2))
+            .mul_scalar(1.0 / (d as f64).sqrt());
+        let scores = match &ctx.mask {
+            Some(mask) => scores.mask_fill(mask.clone(), f32::NEG_INFINITY),
+            None => scores,
+        };
+        let out = softmax(scores, 2).matmul(v);
+        let out = out.reshape([nh, t, d]).swap_dims(0, 1).reshape([t, nh * d]);
+        Ok(linear(out, self.wo.val()))
+    }
+
+    fn mlp(&self, x: Tensor<2>) -> Tensor<2> {
+        let gu = linear(x, self.w_gate_up.val());
+        let gate = gu.clone().narrow(1, 0, self.ffn);
+        let up = gu.narrow(1, self.ffn, self.ffn);
+        linear(silu(gate) * up, self.w_down.val())
+    }
+}

@@ -1,0 +1,32 @@
+//! LLaMA-family models for early-exit speculative decoding on burn.
+//!
+//! - [`Llama`]: a LLaMA decoder whose layers run in ranges (`[0, N)` then `[N, L)`), with a
+//!   per-layer [`KvCache`] that truncates in O(1).
+//! - Loading: [`GgufFile`] (GGUF v2/v3, F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q6_K) and Hugging Face
+//!   safetensors directories, through [`Checkpoint`].
+//! - [`Tokenizer`] from `tokenizer.json` or GGUF metadata, and [`ChatTemplate`] rendering.
+
+pub mod cache;
+pub mod chat;
+pub mod config;
+pub mod error;
+pub mod fetch;
+pub mod gguf;
+pub mod layer;
+pub mod llama;
+pub mod loader;
+pub mod quant;
+pub mod rope;
+pub mod tokenizer;
+pub mod weights;
+
+pub use cache::{KvCache, LayerCache};
+pub use chat::{ChatMessage, ChatTemplate};
+pub use config::{Llama3RopeScaling, LlamaConfig};
+pub use error::{ModelError, Result};
+pub use gguf::{GgufFile, GgufTensorInfo, GgufValue};
+pub use llama::{Llama, WeightDType};
+pub use loader::{LoadOptions, LoadedModel};
+pub use quant::GgmlType;
+pub use tokenizer::{TextStream, Tokenizer};
+pub use weights::{Checkpoint, HostTensor, WeightName};

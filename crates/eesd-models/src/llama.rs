@@ -1,0 +1,312 @@
+//! The LLaMA model with an early-exit seam: embed, run any range of layers, project to logits.
+
+use std::ops::Range;
+
+use burn::module::Param;
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+
+use crate::cache::KvCache;
+use crate::config::LlamaConfig;
+use crate::error::{ModelError, Result};
+use crate::layer::{AttentionContext, DecoderLayer, cast_to, linear, rms_norm};
+use crate::rope::Rope;
+use crate::weights::{Checkpoint, HostTensor, WeightName};
+
+/// Numeric precision of the weights on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub enum WeightDType {
+    /// 32-bit floats (exact reference numerics).
+    #[default]
+    F32,
+    /// IEEE half precision (half the memory traffic).
+    F16,
+    /// bfloat16 (half the memory traffic, f32 range).
+    Bf16,
+}
+
+/// A LLaMA decoder whose layers can be run in ranges, for early exit and speculative decoding.
+#[derive(Debug)]
+pub struct Llama {
+    config: LlamaConfig,
+    device: Device,
+    /// Token embedding `[vocab, hidden]`.
+    embedding: Tensor<2>,
+    layers: Vec<DecoderLayer>,
+    final_norm: Tensor<1>,
+    /// LM head `[hidden, vocab]` (the embedding's transpose when tied).
+    lm_head: Tensor<2>,
+    rope: Rope,
+}
+
+impl Llama {
+    /// Builds the model from a checkpoint, checking every tensor's shape against `config`.
+    pub fn from_checkpoint(
+        config: LlamaConfig,
+        checkpoint: &Checkpoint,
+        device: &Device,
+        dtype: WeightDType,
+    ) -> Result<Self> {
+        config.validate()?;
+        let c = &config;
+        let (h, d) = (c.hidden_size, c.head_dim());
+        let upload = |t: HostTensor| -> Tensor<2> {
+            let [r, k] = [t.shape[0], t.shape[1]];
+            cast(
+                Tensor::from_data(TensorData::new(t.values, [r, k]), device),
+                dtype,
+            )
+        };
+        let vector = |name: WeightName| -> Result<Tensor<1>> {
+            let t = checkpoint.read(name, 0)?.expect_shape(name, &[h])?;
+            Ok(Tensor::from_data(TensorData::new(t.values, [h]), device))
+        };
+        // `[out, in]` matrices from the file, fused along `out` and stored `[in, out]`.
+        let fused = |parts: &[(WeightName, usize, usize)]| -> Result<Tensor<2>> {
+            let mut rows = Vec::new();
+            let mut n_out = 0;
+            for &(name, out, heads) in parts {
+                let t = checkpoint.read(name, heads)?;
+                let inn = t.shape.get(1).copied().unwrap_or(0);
+                let t = t.expect_shape(name, &[out, inn.max(1)])?;
+                rows.extend(t.values);
+                n_out += out;
+            }
+            let inn = rows.len() / n_out.max(1);
+            Ok(upload(
+                HostTensor {
+                    values: rows,
+                    shape: vec![n_out, inn],
+                }
+                .transposed(),
+            ))
+        };
+
+        let embedding = checkpoint.read(WeightName::Embedding, 0)?;
+        if embedding.shape.len() != 2 || embedding.shape[1] != h {
+            return Err(ModelError::ShapeMismatch {
+                name: WeightName::Embedding.hf(),
+                expected: vec![c.vocab_size, h],
+                found: embedding.shape,
+            });
+        }
+        if embedding.shape[0] != c.vocab_size {
+            return Err(ModelError::VocabMismatch {
+                tokenizer: c.vocab_size,
+                embedding: embedding.shape[0],
+            });
+        }
+        let lm_head = if c.tie_word_embeddings {
+            upload(embedding.transposed())
+        } else {
+            let t = checkpoint
+                .read(WeightName::LmHead, 0)?
+                .expect_shape(WeightName::LmHead, &[c.vocab_size, h])?;
+            upload(t.transposed())
+        };
+        let embedding = upload(embedding);
+
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let check_in =
+                |name: WeightName, out: usize, inn: usize, heads: usize| -> Result<HostTensor> {
+                    checkpoint
+                        .read(name, heads)?
+                        .expect_shape(name, &[out, inn])
+                };
+            // Validate input widths before fusing (fused() only knows the output widths).
+            check_in(WeightName::O(i), h, c.num_heads * d, 0)?;
+            let wqkv = fused(&[
+                (WeightName::Q(i), c.num_heads * d, c.num_heads),
+                (WeightName::K(i), c.num_kv_heads * d, c.num_kv_heads),
+                (WeightName::V(i), c.num_kv_heads * d, 0),
+            ])?;
+            let wo = upload(check_in(WeightName::O(i), h, c.num_heads * d, 0)?.transposed());
+            let w_gate_up = fused(&[
+                (WeightName::Gate(i), c.intermediate_size, 0),
+                (WeightName::Up(i), c.intermediate_size, 0),
+            ])?;
+            let w_down =
+                upload(check_in(WeightName::Down(i), h, c.intermediate_size, 0)?.transposed());
+            for (w, inn) in [(&wqkv, h), (&w_gate_up, h)] {
+                if w.dims()[0] != inn {
+                    return Err(ModelError::ShapeMismatch {
+                        name: format!("layer {i} input projections"),
+                        expected: vec![inn],
+                        found: vec![w.dims()[0]],
+                    });
+                }
+            }
+            layers.push(DecoderLayer {
+                attn_norm: Param::from_tensor(vector(WeightName::AttnNorm(i))?),
+                wqkv: Param::from_tensor(wqkv),
+                wo: Param::from_tensor(wo),
+                mlp_norm: Param::from_tensor(vector(WeightName::MlpNorm(i))?),
+                w_gate_up: Param::from_tensor(w_gate_up),
+                w_down: Param::from_tensor(w_down),
+                num_heads: c.num_heads,
+                num_kv_heads: c.num_kv_heads,
+                head_dim: d,
+                ffn: c.intermediate_size,
+                eps: c.rms_norm_eps,
+            });
+        }
+        let final_norm = vector(WeightName::FinalNorm)?;
+        let rope = Rope::new(c, device);
+        Ok(Llama {
+            config,
+            device: device.clone(),
+            embedding,
+            layers,
+            final_norm,
+            lm_head,
+            rope,
+        })
+    }
+
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Number of decoder layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// The decoder layers (e.g. to initialise an exit head from a copy of one).
+    pub fn layers(&self) -> &[DecoderLayer] {
+        &self.layers
+    }
+
+    /// The RoPE tables.
+    pub fn rope(&self) -> &Rope {
+        &self.rope
+    }
+
+    /// The final RMSNorm gain.
+    pub fn final_norm(&self) -> &Tensor<1> {
+        &self.final_norm
+    }
+
+    /// The LM head `[hidden, vocab]`.
+    pub fn lm_head(&self) -> &Tensor<2> {
+        &self.lm_head
+    }
+
+    /// An empty KV cache sized for this model.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(self.layers.len())
+    }
+
+    /// Embeds token ids into hidden states `[t, hidden]`.
+    pub fn embed(&self, tokens: &[u32]) -> Result<Tensor<2>> {
+        if tokens.is_empty() {
+            return Err(ModelError::InvalidArgument("empty token block".into()));
+        }
+        let vocab = self.config.vocab_size;
+        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab) {
+            return Err(ModelError::TokenOutOfRange { id, vocab });
+        }
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [tokens.len()]), &self.device);
+        Ok(cast(
+            self.embedding.clone().select(0, ids),
+            WeightDType::F32,
+        ))
+    }
+
+    /// Runs layers `range` on `hidden: [t, hidden]`, appending to those layers' caches.
+    ///
+    /// All layers in the range must hold the same number of cached positions; the new tokens take
+    /// the positions after them. This is the early-exit seam: `[0, N)` then `[N, L)` equals `[0, L)`.
+    pub fn forward_layers(
+        &self,
+        hidden: Tensor<2>,
+        range: Range<usize>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor<2>> {
+        if range.start >= range.end
+            || range.end > self.layers.len()
+            || cache.num_layers() != self.layers.len()
+        {
+            return Err(ModelError::InvalidArgument(format!(
+                "layer range {range:?} for a model of {} layers (cache of {})",
+                self.layers.len(),
+                cache.num_layers()
+            )));
+        }
+        let past = cache.len_of(range.start);
+        if let Some(i) = range.clone().find(|&i| cache.len_of(i) != past) {
+            return Err(ModelError::InvalidArgument(format!(
+                "layer {i} caches {} positions but layer {} caches {past}",
+                cache.len_of(i),
+                range.start
+            )));
+        }
+        let [t, _] = hidden.dims();
+        let limit = self.config.context_length;
+        if past + t > limit {
+            return Err(ModelError::ContextOverflow {
+                needed: past + t,
+                limit,
+            });
+        }
+        let c = &self.config;
+        let ctx = AttentionContext::new(
+            &self.rope,
+            past,
+            t,
+            c.num_kv_heads,
+            c.num_heads / c.num_kv_heads,
+        );
+        let mut x = hidden;
+        for i in range {
+            let layer_cache = cache.layer_mut(i);
+            x = self.layers[i].forward(x, &self.rope, &ctx, layer_cache, limit)?;
+        }
+        Ok(x)
+    }
+
+    /// Final RMSNorm + LM head: `[t, hidden]` → logits `[t, vocab]`.
+    pub fn logits(&self, hidden: Tensor<2>) -> Tensor<2> {
+        let x = rms_norm(hidden, self.final_norm.clone(), self.config.rms_norm_eps);
+        linear(x, self.lm_head.clone())
+    }
+
+    /// Runs the whole model on new tokens and returns logits for each, `[t, vocab]`.
+    pub fn forward(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor<2>> {
+        let h = self.embed(tokens)?;
+        let h = self.forward_layers(h, 0..self.layers.len(), cache)?;
+        Ok(self.logits(h))
+    }
+
+    /// Like [`Llama::forward`] but only the last position's logits, `[vocab]` (cheaper LM head).
+    pub fn forward_last(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor<1>> {
+        let h = self.embed(tokens)?;
+        let h = self.forward_layers(h, 0..self.layers.len(), cache)?;
+        let t = tokens.len();
+        Ok(self
+            .logits(h.narrow(0, t - 1, 1))
+            .reshape([self.config.vocab_size]))
+    }
+}
+
+impl WeightDType {
+    /// The burn dtype.
+    pub fn dtype(self) -> DType {
+        match self {
+            WeightDType::F32 => DType::F32,
+            WeightDType::F16 => DType::F16,
+            WeightDType::Bf16 => DType::BF16,
+        }
+    }
+}
+
+fn cast<const D: usize>(t: Tensor<D>, dtype: WeightDType) -> Tensor<D> {
+    cast_to(t, dtype.dtype())
+}

@@ -1,0 +1,258 @@
+//! Checkpoint formats behind one interface: named f32 tensors in Hugging Face layout.
+//!
+//! Tensors are addressed by [`WeightName`]; each format maps it to its own naming. GGUF q/k
+//! projections are un-permuted from the interleaved-RoPE layout so that both formats give the
+//! same model (see [`crate::rope`]).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use safetensors::{Dtype, SafeTensors};
+
+use crate::error::{ModelError, Result};
+use crate::gguf::GgufFile;
+
+/// A weight of the LLaMA architecture, format-independent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightName {
+    /// Token embedding `[vocab, hidden]`.
+    Embedding,
+    /// Final RMSNorm gain `[hidden]`.
+    FinalNorm,
+    /// Untied LM head `[vocab, hidden]`.
+    LmHead,
+    /// Pre-attention RMSNorm gain of a layer.
+    AttnNorm(usize),
+    /// Query projection `[heads·head_dim, hidden]`.
+    Q(usize),
+    /// Key projection `[kv_heads·head_dim, hidden]`.
+    K(usize),
+    /// Value projection `[kv_heads·head_dim, hidden]`.
+    V(usize),
+    /// Attention output projection `[hidden, heads·head_dim]`.
+    O(usize),
+    /// Pre-MLP RMSNorm gain of a layer.
+    MlpNorm(usize),
+    /// SwiGLU gate projection `[ffn, hidden]`.
+    Gate(usize),
+    /// SwiGLU up projection `[ffn, hidden]`.
+    Up(usize),
+    /// SwiGLU down projection `[hidden, ffn]`.
+    Down(usize),
+}
+
+impl WeightName {
+    /// The tensor name in GGUF files.
+    pub fn gguf(self) -> String {
+        match self {
+            Self::Embedding => "token_embd.weight".into(),
+            Self::FinalNorm => "output_norm.weight".into(),
+            Self::LmHead => "output.weight".into(),
+            Self::AttnNorm(i) => format!("blk.{i}.attn_norm.weight"),
+            Self::Q(i) => format!("blk.{i}.attn_q.weight"),
+            Self::K(i) => format!("blk.{i}.attn_k.weight"),
+            Self::V(i) => format!("blk.{i}.attn_v.weight"),
+            Self::O(i) => format!("blk.{i}.attn_output.weight"),
+            Self::MlpNorm(i) => format!("blk.{i}.ffn_norm.weight"),
+            Self::Gate(i) => format!("blk.{i}.ffn_gate.weight"),
+            Self::Up(i) => format!("blk.{i}.ffn_up.weight"),
+            Self::Down(i) => format!("blk.{i}.ffn_down.weight"),
+        }
+    }
+
+    /// The tensor name in Hugging Face safetensors checkpoints.
+    pub fn hf(self) -> String {
+        match self {
+            Self::Embedding => "model.embed_tokens.weight".into(),
+            Self::FinalNorm => "model.norm.weight".into(),
+            Self::LmHead => "lm_head.weight".into(),
+            Self::AttnNorm(i) => format!("model.layers.{i}.input_layernorm.weight"),
+            Self::Q(i) => format!("model.layers.{i}.self_attn.q_proj.weight"),
+            Self::K(i) => format!("model.layers.{i}.self_attn.k_proj.weight"),
+            Self::V(i) => format!("model.layers.{i}.self_attn.v_proj.weight"),
+            Self::O(i) => format!("model.layers.{i}.self_attn.o_proj.weight"),
+            Self::MlpNorm(i) => format!("model.layers.{i}.post_attention_layernorm.weight"),
+            Self::Gate(i) => format!("model.layers.{i}.mlp.gate_proj.weight"),
+            Self::Up(i) => format!("model.layers.{i}.mlp.up_proj.weight"),
+            Self::Down(i) => format!("model.layers.{i}.mlp.down_proj.weight"),
+        }
+    }
+}
+
+/// A dense f32 tensor in row-major order.
+#[derive(Debug, Clone)]
+pub struct HostTensor {
+    /// Values, row-major.
+    pub values: Vec<f32>,
+    /// Shape, outermost first.
+    pub shape: Vec<usize>,
+}
+
+impl HostTensor {
+    /// Checks the shape against what the config implies.
+    pub fn expect_shape(self, name: WeightName, expected: &[usize]) -> Result<Self> {
+        if self.shape != expected {
+            return Err(ModelError::ShapeMismatch {
+                name: name.hf(),
+                expected: expected.to_vec(),
+                found: self.shape,
+            });
+        }
+        Ok(self)
+    }
+
+    /// The transpose of a 2-D tensor (`[out, in]` → `[in, out]`, the layout matmuls want).
+    pub fn transposed(&self) -> HostTensor {
+        let (rows, cols) = (self.shape[0], self.shape[1]);
+        let mut out = vec![0f32; rows * cols];
+        for r in 0..rows {
+            for c in 0..cols {
+                out[c * rows + r] = self.values[r * cols + c];
+            }
+        }
+        HostTensor {
+            values: out,
+            shape: vec![cols, rows],
+        }
+    }
+}
+
+/// Un-permutes the rows of a GGUF q/k projection from interleaved-pair RoPE order to rotate-half
+/// order: within each head, GGUF row `2i + s` holds HF row `s·(d/2) + i`.
+pub fn unpermute_rope_rows(t: &HostTensor, heads: usize) -> HostTensor {
+    let (rows, cols) = (t.shape[0], t.shape[1]);
+    let dim = rows / heads;
+    let half = dim / 2;
+    let mut out = vec![0f32; rows * cols];
+    for h in 0..heads {
+        for s in 0..2 {
+            for i in 0..half {
+                let src = h * dim + 2 * i + s;
+                let dst = h * dim + s * half + i;
+                out[dst * cols..(dst + 1) * cols]
+                    .copy_from_slice(&t.values[src * cols..(src + 1) * cols]);
+            }
+        }
+    }
+    HostTensor {
+        values: out,
+        shape: t.shape.clone(),
+    }
+}
+
+/// A source of named weights.
+pub enum Checkpoint {
+    /// A GGUF file (q/k rows in interleaved-RoPE order).
+    Gguf(Box<GgufFile>),
+    /// Hugging Face safetensors files, with the file each tensor lives in.
+    SafeTensors {
+        /// File contents, by path.
+        files: BTreeMap<PathBuf, Vec<u8>>,
+        /// Tensor name → file.
+        index: BTreeMap<String, PathBuf>,
+    },
+}
+
+impl Checkpoint {
+    /// Opens the safetensors weights of a Hugging Face model directory, sharded or not.
+    pub fn open_safetensors_dir(dir: &Path) -> Result<Self> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let shard_names: Vec<String> = if index_path.exists() {
+            let text =
+                std::fs::read_to_string(&index_path).map_err(|e| ModelError::io(&index_path, e))?;
+            let json: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| ModelError::Malformed(format!("{}: {e}", index_path.display())))?;
+            let map = json
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| {
+                    ModelError::Malformed(format!("{}: no weight_map", index_path.display()))
+                })?;
+            let mut names: Vec<String> = map
+                .values()
+                .filter_map(|v| v.as_str().map(String::from))
+                .collect();
+            names.sort();
+            names.dedup();
+            names
+        } else {
+            vec!["model.safetensors".into()]
+        };
+        let mut files = BTreeMap::new();
+        let mut index = BTreeMap::new();
+        for name in shard_names {
+            let path = dir.join(&name);
+            let bytes = std::fs::read(&path).map_err(|e| ModelError::io(&path, e))?;
+            let st = SafeTensors::deserialize(&bytes)
+                .map_err(|e| ModelError::Malformed(format!("{}: {e}", path.display())))?;
+            for tensor in st.names() {
+                index.insert(tensor.to_string(), path.clone());
+            }
+            files.insert(path, bytes);
+        }
+        Ok(Checkpoint::SafeTensors { files, index })
+    }
+
+    /// Whether the checkpoint holds a weight.
+    pub fn contains(&self, name: WeightName) -> bool {
+        match self {
+            Checkpoint::Gguf(f) => f.tensors().contains_key(&name.gguf()),
+            Checkpoint::SafeTensors { index, .. } => index.contains_key(&name.hf()),
+        }
+    }
+
+    /// Reads a weight as f32 in Hugging Face layout. `heads` is the head count of a q/k projection
+    /// (needed to undo the GGUF RoPE permutation) and ignored otherwise.
+    pub fn read(&self, name: WeightName, heads: usize) -> Result<HostTensor> {
+        match self {
+            Checkpoint::Gguf(f) => {
+                let (values, shape) = f.tensor_f32(&name.gguf())?;
+                let t = HostTensor { values, shape };
+                Ok(match name {
+                    WeightName::Q(_) | WeightName::K(_)
+                        if t.shape.len() == 2 && heads > 0 && t.shape[0] % (2 * heads) == 0 =>
+                    {
+                        unpermute_rope_rows(&t, heads)
+                    }
+                    _ => t,
+                })
+            }
+            Checkpoint::SafeTensors { files, index } => {
+                let key = name.hf();
+                let path = index
+                    .get(&key)
+                    .ok_or_else(|| ModelError::MissingTensor(key.clone()))?;
+                let st = SafeTensors::deserialize(&files[path])
+                    .map_err(|e| ModelError::Malformed(format!("{}: {e}", path.display())))?;
+                let view = st
+                    .tensor(&key)
+                    .map_err(|_| ModelError::MissingTensor(key.clone()))?;
+                let data = view.data();
+                let values: Vec<f32> = match view.dtype() {
+                    Dtype::F32 => data
+                        .chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                        .collect(),
+                    Dtype::F16 => data
+                        .chunks_exact(2)
+                        .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                        .collect(),
+                    Dtype::BF16 => data
+                        .chunks_exact(2)
+                        .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                        .collect(),
+                    other => {
+                        return Err(ModelError::UnsupportedTensorType {
+                            name: key,
+                            kind: format!("{other:?}"),
+                        });
+                    }
+                };
+                Ok(HostTensor {
+                    values,
+                    shape: view.shape().to_vec(),
+                })
+            }
+        }
+    }
+}

@@ -1,0 +1,107 @@
+//! The real SmolLM2-135M-Instruct model against the independent reference: tokenization, top-5
+//! logits after the prompt, and greedy continuations.
+
+mod common;
+
+use common::*;
+
+#[test]
+fn tokenization_matches_reference() {
+    let m = model();
+    for g in golden() {
+        let ids = m.tokenizer.encode(&g.text).unwrap();
+        assert_eq!(ids, g.prompt_ids, "prompt {:?}", g.text);
+    }
+}
+
+#[test]
+fn chat_template_renders_reference_prompts() {
+    let m = model();
+    let template = m.chat_template.as_ref().expect("chat template");
+    let mut chat_prompts = 0;
+    for g in golden() {
+        let Some(rest) = g.text.strip_prefix(
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\n",
+        ) else {
+            continue;
+        };
+        let question = rest
+            .strip_suffix("<|im_end|>\n<|im_start|>assistant\n")
+            .unwrap();
+        let rendered = template
+            .render(&[eesd_models::ChatMessage::user(question)], true)
+            .unwrap();
+        assert_eq!(rendered, g.text);
+        chat_prompts += 1;
+    }
+    assert!(chat_prompts > 0);
+}
+
+#[test]
+fn top5_logits_match_reference() {
+    let m = model();
+    for g in golden() {
+        let mut cache = m.model.new_cache();
+        let logits = m.model.forward(&g.prompt_ids, &mut cache).unwrap();
+        let last = row(&logits, g.prompt_ids.len() - 1);
+        let ours = top_k(&last, 5);
+        for (i, ((id, val), (rid, rval))) in ours.iter().zip(&g.last_logits_top5).enumerate() {
+            assert!(
+                (val - rval).abs() < 0.05,
+                "prompt {:?}: logit {i} {val} vs {rval}",
+                g.text
+            );
+            let gap_ok = i == 0 || (g.last_logits_top5[i - 1].1 - rval).abs() > 0.02;
+            let next_gap_ok = g
+                .last_logits_top5
+                .get(i + 1)
+                .is_none_or(|n| (rval - n.1).abs() > 0.02);
+            if gap_ok && next_gap_ok {
+                assert_eq!(id, rid, "prompt {:?}: top-{i} id", g.text);
+            }
+        }
+        // The reference's ids carry the reference's logits.
+        for (rid, rval) in &g.last_logits_top5 {
+            assert!(
+                (last[*rid as usize] - rval).abs() < 0.05,
+                "id {rid}: {} vs {rval}",
+                last[*rid as usize]
+            );
+        }
+    }
+}
+
+#[test]
+fn greedy_continuations_match_reference() {
+    let m = model();
+    let eos = m.tokenizer.eos_token_id().unwrap();
+    for g in golden() {
+        // Compare up to the first step whose reference margin is tiny (order may flip there).
+        let n = g
+            .greedy_top2_margins
+            .iter()
+            .position(|&x| x < 0.02)
+            .map_or(g.greedy_ids.len(), |p| p + 1);
+        let mut cache = m.model.new_cache();
+        let mut logits = m.model.forward_last(&g.prompt_ids, &mut cache).unwrap();
+        let mut out = Vec::new();
+        while out.len() < n {
+            let v = logits
+                .into_data()
+                .convert::<f32>()
+                .try_into_vec::<f32>()
+                .unwrap();
+            let next = argmax(&v);
+            out.push(next);
+            if next == eos {
+                break;
+            }
+            logits = m.model.forward_last(&[next], &mut cache).unwrap();
+        }
+        assert_eq!(out, g.greedy_ids[..n], "prompt {:?}", g.text);
+        if n == g.greedy_ids.len() {
+            let text = m.tokenizer.decode(&out, true).unwrap();
+            assert_eq!(text.trim(), g.greedy_text.trim());
+        }
+    }
+}
