@@ -7,6 +7,7 @@
 //! - [`Tokenizer`] from `tokenizer.json` or GGUF metadata, and [`ChatTemplate`] rendering.
 
 pub mod cache;
+pub mod causal;
 pub mod chat;
 pub mod config;
 pub mod error;

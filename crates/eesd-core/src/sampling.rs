@@ -1,0 +1,232 @@
+//! Turning logits into a next-token distribution (temperature, top-k, top-p) and drawing from it.
+//!
+//! The same [`SamplingParams`] are applied to draft and target logits, which is what speculative
+//! sampling needs to reproduce the autoregressive distribution exactly.
+
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{CoreError, Result};
+
+/// How a token is chosen from logits.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// Softmax temperature; `0` means greedy (argmax).
+    pub temperature: f32,
+    /// Keep only the `k` most likely tokens (`0` = all).
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches `top_p` (`1` = all).
+    pub top_p: f32,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams::greedy()
+    }
+}
+
+impl SamplingParams {
+    /// Argmax decoding.
+    pub fn greedy() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+        }
+    }
+
+    /// Whether this is argmax decoding.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    /// Checks ranges.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(CoreError::InvalidConfig(format!(
+                "temperature {} must be >= 0",
+                self.temperature
+            )));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(CoreError::InvalidConfig(format!(
+                "top_p {} must be in (0, 1]",
+                self.top_p
+            )));
+        }
+        Ok(())
+    }
+
+    /// The distribution these params define over `logits` (sums to 1; zeros outside top-k/top-p).
+    /// Greedy params give a one-hot distribution on the argmax.
+    pub fn distribution(&self, logits: &[f32]) -> Vec<f32> {
+        let mut probs = vec![0f32; logits.len()];
+        if logits.is_empty() {
+            return probs;
+        }
+        if self.is_greedy() {
+            probs[argmax(logits)] = 1.0;
+            return probs;
+        }
+        let inv_t = 1.0 / self.temperature;
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f64;
+        for (p, &l) in probs.iter_mut().zip(logits) {
+            let e = ((l - max) * inv_t).exp();
+            *p = e;
+            sum += e as f64;
+        }
+        let restrict = self.top_k > 0 && self.top_k < logits.len() || self.top_p < 1.0;
+        if restrict {
+            let mut order: Vec<usize> = (0..logits.len()).collect();
+            order.sort_unstable_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+            let k = if self.top_k == 0 {
+                logits.len()
+            } else {
+                self.top_k.min(logits.len())
+            };
+            let mut kept = 0f64;
+            let mut cut = k;
+            for (rank, &i) in order.iter().enumerate().take(k) {
+                kept += probs[i] as f64;
+                if kept >= self.top_p as f64 * sum {
+                    cut = rank + 1;
+                    break;
+                }
+            }
+            for &i in &order[cut..] {
+                probs[i] = 0.0;
+            }
+            sum = order[..cut].iter().map(|&i| probs[i] as f64).sum();
+        }
+        let inv = (1.0 / sum) as f32;
+        probs.iter_mut().for_each(|p| *p *= inv);
+        probs
+    }
+}
+
+/// Index of the largest value (the first one on ties).
+pub fn argmax(values: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in values.iter().enumerate() {
+        if v > values[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// A seeded random source for sampling, deterministic under a seed.
+#[derive(Debug)]
+pub struct Sampler {
+    rng: StdRng,
+}
+
+impl Sampler {
+    /// A sampler seeded with `seed`.
+    pub fn new(seed: u64) -> Self {
+        Sampler {
+            rng: StdRng::seed_from_u64(seed),
+        }
+    }
+
+    /// A uniform draw in `[0, 1)`.
+    pub fn uniform(&mut self) -> f32 {
+        self.rng.random::<f32>()
+    }
+
+    /// Draws an index from a distribution (weights need not be normalised).
+    pub fn categorical(&mut self, weights: &[f32]) -> usize {
+        let total: f64 = weights.iter().map(|&w| w as f64).sum();
+        let mut u = self.rng.random::<f64>() * total;
+        let mut last_positive = 0;
+        for (i, &w) in weights.iter().enumerate() {
+            if w > 0.0 {
+                last_positive = i;
+                if u < w as f64 {
+                    return i;
+                }
+                u -= w as f64;
+            }
+        }
+        last_positive
+    }
+
+    /// Chooses a token from logits under `params`.
+    pub fn sample(&mut self, logits: &[f32], params: &SamplingParams) -> u32 {
+        if params.is_greedy() {
+            return argmax(logits) as u32;
+        }
+        self.categorical(&params.distribution(logits)) as u32
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_is_one_hot() {
+        let p = SamplingParams::greedy().distribution(&[0.1, 3.0, 2.0]);
+        assert_eq!(p, vec![0.0, 1.0, 0.0]);
+    }
+
+    #[test]
+    fn top_k_and_top_p_truncate() {
+        let logits = [4.0, 3.0, 2.0, 1.0];
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: 2,
+            top_p: 1.0,
+        }
+        .distribution(&logits);
+        assert!(p[2] == 0.0 && p[3] == 0.0);
+        assert!((p[0] + p[1] - 1.0).abs() < 1e-6);
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 0.5,
+        }
+        .distribution(&logits);
+        assert_eq!(p[0], 1.0, "{p:?}");
+    }
+
+    #[test]
+    fn sampling_is_deterministic_under_seed() {
+        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
+        let params = SamplingParams {
+            temperature: 0.8,
+            top_k: 0,
+            top_p: 0.95,
+        };
+        let draw = |seed| {
+            let mut s = Sampler::new(seed);
+            (0..20)
+                .map(|_| s.sample(&logits, &params))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(draw(7), draw(7));
+        assert_ne!(draw(7), draw(8));
+    }
+
+    #[test]
+    fn invalid_params_are_rejected() {
+        assert!(
+            SamplingParams {
+                temperature: -1.0,
+                ..Default::default()
+            }
+            .validate()
+            .is_err()
+        );
+        assert!(
+            SamplingParams {
+                top_p: 0.0,
+                ..Default::default()
+            }
+            .validate()
+            .is_err()
+        );
+    }
+}
