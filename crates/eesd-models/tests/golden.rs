@@ -105,3 +105,45 @@ fn greedy_continuations_match_reference() {
         }
     }
 }
+
+#[test]
+fn block_token_by_token_and_truncation_give_the_same_logits() {
+    let m = model();
+    let g = &golden()[1];
+    let ids = &g.prompt_ids;
+    let n = ids.len();
+    let block = m.model.forward(ids, &mut m.model.new_cache()).unwrap();
+    let reference = row(&block, n - 1);
+
+    let mut cache = m.model.new_cache();
+    let mut last = None;
+    for &t in ids {
+        last = Some(m.model.forward(&[t], &mut cache).unwrap());
+    }
+    let stepwise = row(&last.unwrap(), 0);
+
+    // Half the prompt, then a wrong continuation, rolled back, then the true rest.
+    let mut cache = m.model.new_cache();
+    m.model.forward(&ids[..n / 2], &mut cache).unwrap();
+    m.model
+        .forward(&[504, 3575, 282, 4649], &mut cache)
+        .unwrap();
+    cache.truncate(n / 2);
+    let rerun = row(
+        &m.model.forward(&ids[n / 2..], &mut cache).unwrap(),
+        n - n / 2 - 1,
+    );
+
+    for (name, v) in [
+        ("token by token", &stepwise),
+        ("truncate and re-run", &rerun),
+    ] {
+        let diff = reference
+            .iter()
+            .zip(v.iter())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(diff < 2e-3, "{name}: max logit difference {diff}");
+        assert_eq!(argmax(&reference), argmax(v));
+    }
+}

@@ -34,16 +34,17 @@ pub fn golden() -> Vec<Golden> {
     serde_json::from_str(&text).expect("golden json")
 }
 
-/// The device the tests run on: LibTorch CPU when built with `tch` only, else flex.
+/// The device the tests run on: `$EESD_TEST_BACKEND` (flex, tch, ...) or the default build's.
 pub fn device() -> Device {
-    #[cfg(feature = "flex")]
-    {
-        Device::flex()
-    }
-    #[cfg(all(feature = "tch", not(feature = "flex")))]
-    #[allow(deprecated)]
-    {
-        Device::libtorch()
+    match std::env::var("EESD_TEST_BACKEND") {
+        Ok(name) => name
+            .parse::<eesd_core::Backend>()
+            .and_then(|b| b.device())
+            .expect("EESD_TEST_BACKEND"),
+        Err(_) => eesd_core::Backend::default_compiled()
+            .expect("a compiled backend")
+            .device()
+            .unwrap(),
     }
 }
 
