@@ -87,7 +87,7 @@ impl GgmlType {
     /// Bytes occupied by `n` elements; an error for unsupported types or partial blocks.
     pub fn byte_size(self, name: &str, n: usize) -> Result<usize> {
         let (per_block, bytes) = self.block().ok_or_else(|| self.unsupported(name))?;
-        if n % per_block != 0 {
+        if !n.is_multiple_of(per_block) {
             return Err(ModelError::Malformed(format!(
                 "tensor `{name}` has {n} elements, not a multiple of the {self:?} block size {per_block}"
             )));

