@@ -52,13 +52,25 @@ fn main() -> Result<()> {
                 other => anyhow::bail!("unknown dtype {other}"),
             };
             let device = backend.device()?;
-            let options = LoadOptions { dtype: wdt, context_length: Some(1024) };
+            let options = LoadOptions {
+                dtype: wdt,
+                context_length: Some(1024),
+            };
             let lm = LoadedModel::load(&path, &device, &options).context("load")?;
-            let config = GenerationConfig { max_new_tokens: args.max_new_tokens, ..Default::default() };
+            let config = GenerationConfig {
+                max_new_tokens: args.max_new_tokens,
+                ..Default::default()
+            };
             let warm = lm.chat_prompt(PROMPTS[0])?;
-            generate_ar(&lm.model, &warm, &GenerationConfig { max_new_tokens: 8, ..config.clone() }, |_| {
-                ControlFlow::Continue(())
-            })?;
+            generate_ar(
+                &lm.model,
+                &warm,
+                &GenerationConfig {
+                    max_new_tokens: 8,
+                    ..config.clone()
+                },
+                |_| ControlFlow::Continue(()),
+            )?;
             let (mut tokens, mut seconds, mut decode_seconds) = (0usize, 0f64, 0f64);
             for p in PROMPTS {
                 let ids = lm.chat_prompt(p)?;
@@ -75,15 +87,21 @@ fn main() -> Result<()> {
             if !args.json {
                 println!(
                     "{:>8} {:>5}: {:6.1} tokens/s overall, {:6.1} tokens/s decoding ({} tokens)",
-                    backend.name(), dtype, row["tokens_per_second"].as_f64().unwrap_or(0.0),
-                    row["decode_tokens_per_second"].as_f64().unwrap_or(0.0), tokens
+                    backend.name(),
+                    dtype,
+                    row["tokens_per_second"].as_f64().unwrap_or(0.0),
+                    row["decode_tokens_per_second"].as_f64().unwrap_or(0.0),
+                    tokens
                 );
             }
             results.push(row);
         }
     }
     if args.json {
-        println!("{}", serde_json::json!({ "model": path.display().to_string(), "results": results }));
+        println!(
+            "{}",
+            serde_json::json!({ "model": path.display().to_string(), "results": results })
+        );
     }
     Ok(())
 }

@@ -210,7 +210,9 @@ impl Checkpoint {
                 let t = HostTensor { values, shape };
                 Ok(match name {
                     WeightName::Q(_) | WeightName::K(_)
-                        if t.shape.len() == 2 && heads > 0 && t.shape[0].is_multiple_of(2 * heads) =>
+                        if t.shape.len() == 2
+                            && heads > 0
+                            && t.shape[0].is_multiple_of(2 * heads) =>
                     {
                         unpermute_rope_rows(&t, heads)
                     }
