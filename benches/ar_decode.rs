@@ -10,7 +10,7 @@ use std::ops::ControlFlow;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use eesd::core::{Backend, GenerationConfig, generate_ar};
+use eesd::core::{Backend, GenerationConfig, Generator};
 use eesd::models::{LoadOptions, LoadedModel, WeightDType, fetch};
 
 #[derive(Parser, Debug)]
@@ -74,7 +74,7 @@ fn main() -> Result<()> {
             let (mut tokens, mut seconds, mut decode_seconds) = (0usize, 0f64, 0f64);
             for p in PROMPTS {
                 let ids = lm.chat_prompt(p)?;
-                let out = generate_ar(&lm.model, &ids, &config, |_| ControlFlow::Continue(()))?;
+                let out = generator.generate(&ids, &config, |_| ControlFlow::Continue(()))?;
                 tokens += out.stats.new_tokens;
                 seconds += out.stats.seconds;
                 decode_seconds += out.stats.seconds - out.stats.prefill_seconds;

@@ -54,6 +54,7 @@ fn main() -> anyhow::Result<()> {
         verify: 1.0,
     };
     let processes = [
+        Process::Stationary { theta: 0.15 },
         Process::Stationary { theta: 0.5 },
         Process::Stationary { theta: 0.75 },
         Process::Stationary { theta: 0.9 },

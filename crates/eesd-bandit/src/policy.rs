@@ -54,17 +54,21 @@ impl RoundOutcome {
 
 /// A draft-length controller, driven by the decoding loop.
 ///
-/// Per round: [`begin_round`](DraftPolicy::begin_round); one token is always drafted, and after
+/// Per round: [`begin_round`](DraftPolicy::begin_round) says whether to draft at all (a round
+/// without drafts is a plain autoregressive step, the fallback when drafting does not pay); after
 /// each drafted token [`decide`](DraftPolicy::decide) says whether to draft another (the loop also
 /// stops at [`max_draft`](DraftPolicy::max_draft)); after verification,
-/// [`observe`](DraftPolicy::observe).
+/// [`observe`](DraftPolicy::observe) (also for rounds without drafts).
 pub trait DraftPolicy: Send {
     /// A short name for reports (`beta-ts`, `fixed:4`, ...).
     fn name(&self) -> String;
     /// Hard cap on drafted tokens per round.
     fn max_draft(&self) -> usize;
-    /// Called before the first draft of a round.
-    fn begin_round(&mut self) {}
+    /// Called before a round: [`Decision::Continue`] drafts a first token, [`Decision::Stop`]
+    /// makes the round a plain decoding step.
+    fn begin_round(&mut self) -> Decision {
+        Decision::Continue
+    }
     /// Called after each drafted token.
     fn decide(&mut self, step: &DraftStep) -> Decision;
     /// Called with the verification result of the round.
@@ -78,7 +82,7 @@ impl<P: DraftPolicy + ?Sized> DraftPolicy for Box<P> {
     fn max_draft(&self) -> usize {
         (**self).max_draft()
     }
-    fn begin_round(&mut self) {
+    fn begin_round(&mut self) -> Decision {
         (**self).begin_round()
     }
     fn decide(&mut self, step: &DraftStep) -> Decision {
@@ -101,13 +105,13 @@ pub fn expected_tokens(survival_steps: impl IntoIterator<Item = f64>) -> f64 {
     total
 }
 
-/// The best fixed draft length `k ∈ [1, cap]` and its rate (tokens per verification-cost unit)
+/// The best fixed draft length `k ∈ [0, cap]` (0: no drafting) and its rate (tokens per verification-cost unit)
 /// when every token is accepted with probability `theta` and a draft step costs `ratio` of a
 /// verification step.
 pub fn best_fixed_length(theta: f64, ratio: f64, cap: usize) -> (usize, f64) {
-    let mut best = (1, f64::NEG_INFINITY);
+    let mut best = (0, 1.0);
     let (mut survival, mut tokens) = (1.0, 1.0);
-    for k in 1..=cap.max(1) {
+    for k in 1..=cap {
         survival *= theta;
         tokens += survival;
         let rate = tokens / (1.0 + ratio * k as f64);

@@ -128,12 +128,12 @@ pub fn simulate(
     for round in 0..rounds {
         let mut rng =
             StdRng::seed_from_u64(seed ^ (round as u64).wrapping_mul(0x2545_F491_4F6C_DD1D));
-        policy.begin_round();
-        let cap = policy.max_draft().max(1);
+        let draft_any = policy.begin_round() == Decision::Continue;
+        let cap = policy.max_draft();
         let mut confidences = Vec::new();
         let mut accepted = 0;
         let mut rejected = false;
-        loop {
+        while draft_any && cap > 0 {
             let (c, ok) = process.token(round, &mut rng);
             let position = confidences.len();
             confidences.push(c);
@@ -174,8 +174,8 @@ pub fn simulate(
     }
 }
 
-/// The best fixed draft length in hindsight, by exhaustive search over `1..=max_k` on the same
-/// rounds.
+/// The best fixed draft length in hindsight, by exhaustive search over `0..=max_k` on the same
+/// rounds (0: plain decoding, one token per verification).
 pub fn oracle_fixed(
     process: &Process,
     rounds: usize,

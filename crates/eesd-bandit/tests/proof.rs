@@ -78,7 +78,8 @@ fn calibration_curve_converges_to_the_true_curve() {
 
 #[test]
 fn thompson_sampling_reaches_95_percent_of_the_best_fixed_length_on_stationary_processes() {
-    for theta in [0.5, 0.75, 0.9] {
+    // θ = 0.15 at cost 0.3: drafting does not pay and the best 'fixed length' is 0 (plain AR).
+    for theta in [0.15, 0.5, 0.75, 0.9] {
         for draft in [0.1, 0.3] {
             let costs = Costs { draft, verify: 1.0 };
             let process = Process::Stationary { theta };
@@ -240,14 +241,7 @@ fn the_cap_is_respected_and_bad_specs_are_errors() {
         .unwrap();
     ts.begin_round();
     assert_eq!(ts.decide(&step(1)), Decision::Stop);
-    for bad in [
-        "fixed:0",
-        "fixed",
-        "threshold:1.5",
-        "beta-ts:0",
-        "beta-ts:x",
-        "medusa",
-    ] {
+    for bad in ["fixed", "threshold:1.5", "beta-ts:0", "beta-ts:x", "medusa"] {
         assert!(Policy::parse(bad, 0).is_err(), "{bad}");
     }
     assert!(BetaTs::new(0).with_prior(0.0, 1.0).is_err());

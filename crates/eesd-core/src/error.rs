@@ -18,6 +18,9 @@ pub enum CoreError {
         /// Context length.
         context: usize,
     },
+    /// Reading tensor data back from the device failed.
+    #[error("tensor data: {0}")]
+    TensorData(String),
     /// A backend that was not compiled in, or an unknown backend name.
     #[error("backend `{name}` is unavailable: {reason}")]
     Backend {

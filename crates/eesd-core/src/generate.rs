@@ -1,33 +1,37 @@
-//! The generation API: configuration, streaming loop and statistics.
-//!
-//! Plain autoregressive (AR) decoding lives here; early-exit speculative decoding plugs into the
-//! same [`GenerationConfig`] / [`GenerationOutput`] so the two are compared on equal terms.
+//! The generation API shared by plain autoregressive (AR) decoding and EESD, so that both are
+//! measured on equal terms: one [`GenerationConfig`], one streaming callback, one
+//! [`GenerationStats`].
 
 use std::ops::ControlFlow;
-use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::{CoreError, Result};
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::SamplingParams;
 
-/// What the AR decoding loop needs from a model.
-pub trait CausalModel {
-    /// Per-sequence state (KV cache).
-    type Cache;
-    /// The model's error type.
-    type Error: std::error::Error + Send + Sync + 'static;
+/// How tokens are produced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// One full forward pass per token.
+    #[default]
+    Ar,
+    /// Early-exiting speculative decoding: draft through the first N layers and an exit head,
+    /// verify the block through the remaining layers.
+    Eesd,
+}
 
-    /// A fresh, empty cache.
-    fn new_cache(&self) -> Self::Cache;
-    /// Maximum positions (prompt + generated).
-    fn context_length(&self) -> usize;
-    /// Feeds `tokens` after what the cache holds and returns the logits of the last one.
-    fn forward_last(
-        &self,
-        tokens: &[u32],
-        cache: &mut Self::Cache,
-    ) -> Result<Vec<f32>, Self::Error>;
+impl std::str::FromStr for Mode {
+    type Err = CoreError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "ar" => Ok(Mode::Ar),
+            "eesd" => Ok(Mode::Eesd),
+            _ => Err(CoreError::InvalidConfig(format!(
+                "unknown mode `{s}` (expected ar or eesd)"
+            ))),
+        }
+    }
 }
 
 /// Settings of one generation.
@@ -37,10 +41,18 @@ pub struct GenerationConfig {
     pub max_new_tokens: usize,
     /// Tokens that end generation (emitted, then stop).
     pub stop_tokens: Vec<u32>,
-    /// Token selection.
+    /// Strings that end generation once the decoded output contains them (needs a detokenizer,
+    /// see [`crate::Generator::with_detokenizer`]).
+    pub stop_strings: Vec<String>,
+    /// Token selection (greedy when the temperature is 0).
     pub sampling: SamplingParams,
     /// Seed of the sampler.
     pub seed: u64,
+    /// AR or EESD.
+    pub mode: Mode,
+    /// Exit layer N for EESD; `None` uses the head's own layer (required for heads that work
+    /// after any layer).
+    pub exit_layer: Option<usize>,
 }
 
 impl Default for GenerationConfig {
@@ -48,8 +60,11 @@ impl Default for GenerationConfig {
         GenerationConfig {
             max_new_tokens: 128,
             stop_tokens: Vec::new(),
+            stop_strings: Vec::new(),
             sampling: SamplingParams::greedy(),
             seed: 0,
+            mode: Mode::Ar,
+            exit_layer: None,
         }
     }
 }
@@ -69,31 +84,81 @@ pub enum StopReason {
     MaxTokens,
     /// A stop token was generated.
     StopToken,
+    /// A stop string appeared in the output.
+    StopString,
     /// The context is full.
     ContextFull,
     /// The token callback asked to stop.
     Callback,
 }
 
-/// Timing and counts of one generation.
+/// Counts and timings of one generation.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct GenerationStats {
+    /// AR or EESD.
+    pub mode: Mode,
     /// Prompt length.
     pub prompt_tokens: usize,
     /// Generated tokens.
     pub new_tokens: usize,
     /// Wall time of the whole call (prefill + decoding).
     pub seconds: f64,
-    /// Wall time of the prompt pass (it also yields the first token).
+    /// Wall time of the prompt pass.
     pub prefill_seconds: f64,
     /// `new_tokens / seconds`.
     pub tokens_per_second: f64,
+    /// Verification rounds (EESD) or decoding steps (AR: one per token).
+    pub rounds: usize,
+    /// Drafted tokens in all rounds.
+    pub drafted: usize,
+    /// Accepted drafted tokens in all rounds.
+    pub accepted: usize,
+    /// `accepted_histogram[a]` = rounds in which exactly `a` drafted tokens were accepted.
+    pub accepted_histogram: Vec<usize>,
+    /// `drafted_histogram[k]` = rounds that drafted exactly `k` tokens.
+    pub drafted_histogram: Vec<usize>,
+    /// Mean tokens emitted per verification round: accepted drafts + the target's own token
+    /// (Spec-Bench's "mean accepted tokens"; 1.0 for AR).
+    pub mean_accepted: f64,
+    /// Time spent drafting (first N layers + exit head), seconds.
+    pub draft_seconds: f64,
+    /// Time spent verifying (last M layers + LM head over the block), seconds.
+    pub verify_seconds: f64,
+    /// Name of the draft-length policy (EESD).
+    pub policy: Option<String>,
+}
+
+impl GenerationStats {
+    pub(crate) fn record_round(&mut self, drafted: usize, accepted: usize) {
+        self.rounds += 1;
+        self.drafted += drafted;
+        self.accepted += accepted;
+        bump(&mut self.accepted_histogram, accepted);
+        bump(&mut self.drafted_histogram, drafted);
+    }
+
+    pub(crate) fn finish(&mut self, seconds: f64) {
+        self.seconds = seconds;
+        self.tokens_per_second = self.new_tokens as f64 / seconds.max(1e-9);
+        self.mean_accepted = if self.rounds == 0 {
+            0.0
+        } else {
+            self.new_tokens as f64 / self.rounds as f64
+        };
+    }
+}
+
+fn bump(histogram: &mut Vec<usize>, i: usize) {
+    if histogram.len() <= i {
+        histogram.resize(i + 1, 0);
+    }
+    histogram[i] += 1;
 }
 
 /// Result of one generation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GenerationOutput {
-    /// Generated ids (stop token included when one ended generation).
+    /// Generated ids (the stop token included when one ended generation).
     pub tokens: Vec<u32>,
     /// Why generation ended.
     pub stop_reason: StopReason,
@@ -101,69 +166,72 @@ pub struct GenerationOutput {
     pub stats: GenerationStats,
 }
 
-/// Plain autoregressive generation, streaming each token to `on_token` as it is chosen.
-///
-/// Errors on an empty prompt or one that leaves no room in the context; stops cleanly with
-/// [`StopReason::ContextFull`] when the context fills up during generation.
-pub fn generate_ar<M: CausalModel>(
-    model: &M,
-    prompt: &[u32],
-    config: &GenerationConfig,
-    mut on_token: impl FnMut(u32) -> ControlFlow<()>,
-) -> Result<GenerationOutput> {
-    config.validate()?;
-    let context = model.context_length();
-    if prompt.is_empty() {
-        return Err(CoreError::InvalidConfig("empty prompt".into()));
+/// Collects emitted tokens, applies the stop conditions and streams to the callback.
+pub(crate) struct Emitter<'c, F> {
+    pub tokens: Vec<u32>,
+    config: &'c GenerationConfig,
+    detokenize: Option<&'c dyn Fn(&[u32]) -> String>,
+    on_tokens: F,
+}
+
+impl<'c, F: FnMut(&[u32]) -> ControlFlow<()>> Emitter<'c, F> {
+    pub fn new(
+        config: &'c GenerationConfig,
+        detokenize: Option<&'c dyn Fn(&[u32]) -> String>,
+        on_tokens: F,
+    ) -> Result<Self> {
+        if !config.stop_strings.is_empty() && detokenize.is_none() {
+            return Err(CoreError::InvalidConfig(
+                "stop_strings need a detokenizer".into(),
+            ));
+        }
+        Ok(Emitter {
+            tokens: Vec::with_capacity(config.max_new_tokens),
+            config,
+            detokenize,
+            on_tokens,
+        })
     }
-    if prompt.len() >= context {
-        return Err(CoreError::PromptTooLong {
-            prompt: prompt.len(),
-            context,
-        });
+
+    /// Tokens still allowed.
+    pub fn remaining(&self) -> usize {
+        self.config.max_new_tokens.saturating_sub(self.tokens.len())
     }
-    let start = Instant::now();
-    let mut sampler = Sampler::new(config.seed);
-    let mut cache = model.new_cache();
-    let mut tokens = Vec::with_capacity(config.max_new_tokens);
-    let mut prefill_seconds = 0.0;
-    let mut stop_reason = StopReason::MaxTokens;
-    let mut input: Vec<u32> = prompt.to_vec();
-    while tokens.len() < config.max_new_tokens {
-        if prompt.len() + tokens.len() >= context {
-            stop_reason = StopReason::ContextFull;
-            break;
+
+    /// Emits a block; returns why to stop, if generation must end.
+    pub fn emit(&mut self, block: &[u32]) -> Option<StopReason> {
+        let mut block = &block[..block.len().min(self.remaining())];
+        let mut reason = None;
+        if let Some(i) = block
+            .iter()
+            .position(|t| self.config.stop_tokens.contains(t))
+        {
+            block = &block[..=i];
+            reason = Some(StopReason::StopToken);
         }
-        let logits = model
-            .forward_last(&input, &mut cache)
-            .map_err(CoreError::model)?;
-        if tokens.is_empty() {
-            prefill_seconds = start.elapsed().as_secs_f64();
+        let start = self.tokens.len();
+        self.tokens.extend_from_slice(block);
+        if reason.is_none()
+            && let Some(decode) = self.detokenize
+        {
+            // Only text that includes the new tokens can newly contain a stop string.
+            let tail_from = start.saturating_sub(16);
+            let text = decode(&self.tokens[tail_from..]);
+            if self
+                .config
+                .stop_strings
+                .iter()
+                .any(|s| text.contains(s.as_str()))
+            {
+                reason = Some(StopReason::StopString);
+            }
         }
-        let next = sampler.sample(&logits, &config.sampling);
-        tokens.push(next);
-        if config.stop_tokens.contains(&next) {
-            stop_reason = StopReason::StopToken;
-            break;
+        if (self.on_tokens)(block).is_break() && reason.is_none() {
+            reason = Some(StopReason::Callback);
         }
-        if on_token(next).is_break() {
-            stop_reason = StopReason::Callback;
-            break;
+        if reason.is_none() && self.remaining() == 0 {
+            reason = Some(StopReason::MaxTokens);
         }
-        input.clear();
-        input.push(next);
+        reason
     }
-    let seconds = start.elapsed().as_secs_f64();
-    let stats = GenerationStats {
-        prompt_tokens: prompt.len(),
-        new_tokens: tokens.len(),
-        seconds,
-        prefill_seconds,
-        tokens_per_second: tokens.len() as f64 / seconds.max(1e-9),
-    };
-    Ok(GenerationOutput {
-        tokens,
-        stop_reason,
-        stats,
-    })
 }

@@ -1,19 +1,26 @@
 //! Backend-generic early-exit speculative decoding (EESD) on burn.
 //!
-//! - [`generate`]: the generation API shared by plain autoregressive decoding and EESD, so both
-//!   are measured on equal terms.
+//! - [`model`]: the model-side traits — [`LayeredModel`] (layers in ranges, truncatable cache)
+//!   and [`DraftHead`] (exit heads).
+//! - [`Generator`]: AR and EESD decoding behind one API ([`GenerationConfig`],
+//!   [`GenerationOutput`], streaming callback).
+//! - [`accept`]: the verification rules (greedy prefix match, speculative sampling).
 //! - [`sampling`]: temperature / top-k / top-p distributions and a seeded sampler.
 //! - [`backend`]: picking a burn device by name (`flex`, `tch`, `tch-cuda`, `cuda`).
 
+pub mod accept;
 pub mod backend;
 pub mod error;
 pub mod generate;
+pub mod generator;
+pub mod model;
 pub mod sampling;
 
 pub use backend::Backend;
 pub use burn::tensor::Device;
+pub use eesd_bandit as bandit;
 pub use error::{CoreError, Result};
-pub use generate::{
-    CausalModel, GenerationConfig, GenerationOutput, GenerationStats, StopReason, generate_ar,
-};
+pub use generate::{GenerationConfig, GenerationOutput, GenerationStats, Mode, StopReason};
+pub use generator::{Generator, NoHead};
+pub use model::{DraftHead, DraftLogits, LayeredModel};
 pub use sampling::{Sampler, SamplingParams, argmax};

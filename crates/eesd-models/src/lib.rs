@@ -7,13 +7,14 @@
 //! - [`Tokenizer`] from `tokenizer.json` or GGUF metadata, and [`ChatTemplate`] rendering.
 
 pub mod cache;
-pub mod causal;
 pub mod chat;
 pub mod config;
 pub mod error;
 pub mod fetch;
 pub mod gguf;
+pub mod heads;
 pub mod layer;
+pub mod layered;
 pub mod llama;
 pub mod loader;
 pub mod quant;
@@ -27,6 +28,7 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{Llama3RopeScaling, LlamaConfig};
 pub use error::{ModelError, Result};
 pub use gguf::{GgufFile, GgufTensorInfo, GgufValue};
+pub use heads::NormHead;
 pub use llama::{Llama, WeightDType};
 pub use loader::{LoadOptions, LoadedModel};
 pub use quant::GgmlType;

@@ -1,0 +1,430 @@
+//! The decoding loops: plain AR, and EESD rounds (draft → verify → accept → roll back).
+
+use std::ops::ControlFlow;
+use std::time::Instant;
+
+use burn::tensor::Tensor;
+use eesd_bandit::{Decision, DraftPolicy, DraftStep, Policy, RoundOutcome};
+
+use crate::accept::{Verdict, accept_greedy, accept_sampling};
+use crate::error::{CoreError, Result};
+use crate::generate::{
+    Emitter, GenerationConfig, GenerationOutput, GenerationStats, Mode, StopReason,
+};
+use crate::model::{DraftHead, DraftLogits, LayeredModel};
+use crate::sampling::{Sampler, SamplingParams, argmax};
+
+/// The head type of a generator without an exit head (AR only). It has no values.
+#[derive(Debug, Clone, Copy)]
+pub enum NoHead {}
+
+impl<M: LayeredModel> DraftHead<M> for NoHead {
+    type Cache = ();
+    fn exit_layer(&self) -> Option<usize> {
+        match *self {}
+    }
+    fn new_cache(&self, _: &M) {
+        match *self {}
+    }
+    fn draft_logits(
+        &self,
+        _: &M,
+        _: Tensor<2>,
+        _: &mut (),
+    ) -> std::result::Result<DraftLogits, M::Error> {
+        match *self {}
+    }
+    fn cached_len(&self, _: &()) -> usize {
+        match *self {}
+    }
+    fn truncate(&self, _: &mut (), _: usize) {
+        match *self {}
+    }
+}
+
+/// Generates text with a model, by AR or EESD, streaming tokens as they are accepted.
+///
+/// The generator owns the draft-length policy, so what a learning policy (Thompson Sampling)
+/// learns carries over from one prompt to the next.
+pub struct Generator<'a, M: LayeredModel, H: DraftHead<M> = NoHead> {
+    model: &'a M,
+    head: Option<&'a H>,
+    policy: Box<dyn DraftPolicy + 'a>,
+    detokenize: Option<Box<dyn Fn(&[u32]) -> String + 'a>>,
+}
+
+impl<'a, M: LayeredModel> Generator<'a, M, NoHead> {
+    /// A generator for plain AR decoding; add a head with [`Generator::with_head`] for EESD.
+    pub fn new(model: &'a M) -> Self {
+        let policy = Box::new(Policy::BetaTs(eesd_bandit::BetaTs::new(0)));
+        Generator {
+            model,
+            head: None,
+            policy,
+            detokenize: None,
+        }
+    }
+}
+
+fn model_err<E: std::error::Error + Send + Sync + 'static>(e: E) -> CoreError {
+    CoreError::model(e)
+}
+
+fn host(t: Tensor<2>) -> Result<Vec<f32>> {
+    t.into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .map_err(|e| CoreError::TensorData(format!("{e:?}")))
+}
+
+/// Splits `[rows, n]` host data into rows.
+fn rows(data: Vec<f32>, n: usize) -> Vec<Vec<f32>> {
+    data.chunks(n.max(1)).map(<[f32]>::to_vec).collect()
+}
+
+/// Softmax probability of `index` under `logits` at temperature 1 (the draft's confidence).
+fn softmax_at(logits: &[f32], index: usize) -> f32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f32 = logits.iter().map(|l| (l - max).exp()).sum();
+    (logits[index] - max).exp() / sum
+}
+
+impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
+    /// Adds an exit head, enabling [`Mode::Eesd`].
+    pub fn with_head<H2: DraftHead<M>>(self, head: &'a H2) -> Generator<'a, M, H2> {
+        Generator {
+            model: self.model,
+            head: Some(head),
+            policy: self.policy,
+            detokenize: self.detokenize,
+        }
+    }
+
+    /// Sets the draft-length policy (default: Beta-TS).
+    pub fn with_policy(mut self, policy: impl DraftPolicy + 'a) -> Self {
+        self.policy = Box::new(policy);
+        self
+    }
+
+    /// Sets a detokenizer, needed for `stop_strings`.
+    pub fn with_detokenizer(mut self, decode: impl Fn(&[u32]) -> String + 'a) -> Self {
+        self.detokenize = Some(Box::new(decode));
+        self
+    }
+
+    /// The draft-length policy, with what it has learned so far.
+    pub fn policy(&self) -> &dyn DraftPolicy {
+        self.policy.as_ref()
+    }
+
+    /// Generates a continuation of `prompt`, calling `on_tokens` with each accepted block.
+    ///
+    /// Errors on an empty prompt, one that leaves no room in the context, an invalid config, or
+    /// EESD without a usable head; stops cleanly with [`StopReason::ContextFull`] when the context
+    /// fills up.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        config: &GenerationConfig,
+        on_tokens: impl FnMut(&[u32]) -> ControlFlow<()>,
+    ) -> Result<GenerationOutput> {
+        config.validate()?;
+        let context = self.model.context_length();
+        if prompt.is_empty() {
+            return Err(CoreError::InvalidConfig("empty prompt".into()));
+        }
+        if prompt.len() >= context {
+            return Err(CoreError::PromptTooLong {
+                prompt: prompt.len(),
+                context,
+            });
+        }
+        let vocab = self.model.vocab_size();
+        if let Some(&t) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(CoreError::InvalidConfig(format!(
+                "prompt token {t} is outside the vocabulary of {vocab}"
+            )));
+        }
+        // Taken out for the call so the loops can borrow `self` mutably (the policy learns).
+        let detokenize = self.detokenize.take();
+        let result = self.run(prompt, config, detokenize.as_deref(), on_tokens);
+        self.detokenize = detokenize;
+        result
+    }
+
+    fn run(
+        &mut self,
+        prompt: &[u32],
+        config: &GenerationConfig,
+        detokenize: Option<&dyn Fn(&[u32]) -> String>,
+        on_tokens: impl FnMut(&[u32]) -> ControlFlow<()>,
+    ) -> Result<GenerationOutput> {
+        let emitter = Emitter::new(config, detokenize, on_tokens)?;
+        let start = Instant::now();
+        let mut stats = GenerationStats {
+            mode: config.mode,
+            prompt_tokens: prompt.len(),
+            ..Default::default()
+        };
+        let (tokens, stop_reason) = match config.mode {
+            Mode::Ar => self.run_ar(prompt, config, emitter, &mut stats)?,
+            Mode::Eesd => {
+                let head = self
+                    .head
+                    .ok_or_else(|| CoreError::InvalidConfig("EESD needs an exit head".into()))?;
+                let exit = match (config.exit_layer, head.exit_layer()) {
+                    (Some(n), Some(h)) if n != h => {
+                        return Err(CoreError::InvalidConfig(format!(
+                            "exit layer {n} requested, but the head was trained for layer {h}"
+                        )));
+                    }
+                    (Some(n), _) | (None, Some(n)) => n,
+                    (None, None) => {
+                        return Err(CoreError::InvalidConfig("EESD needs an exit layer".into()));
+                    }
+                };
+                let layers = self.model.num_layers();
+                if exit == 0 || exit >= layers {
+                    return Err(CoreError::InvalidConfig(format!(
+                        "exit layer {exit} must be in 1..{layers}"
+                    )));
+                }
+                stats.policy = Some(self.policy.name());
+                self.run_eesd(head, exit, prompt, config, emitter, &mut stats)?
+            }
+        };
+        stats.new_tokens = tokens.len();
+        stats.finish(start.elapsed().as_secs_f64());
+        Ok(GenerationOutput {
+            tokens,
+            stop_reason,
+            stats,
+        })
+    }
+
+    fn run_ar<F: FnMut(&[u32]) -> ControlFlow<()>>(
+        &mut self,
+        prompt: &[u32],
+        config: &GenerationConfig,
+        mut out: Emitter<'_, F>,
+        stats: &mut GenerationStats,
+    ) -> Result<(Vec<u32>, StopReason)> {
+        let m = self.model;
+        let layers = m.num_layers();
+        let context = m.context_length();
+        let mut sampler = Sampler::new(config.seed);
+        let mut cache = m.new_cache();
+        let mut input = prompt.to_vec();
+        let start = Instant::now();
+        let reason = loop {
+            if out.remaining() == 0 {
+                break StopReason::MaxTokens;
+            }
+            if m.cached_len(&cache, 0) + input.len() > context {
+                break StopReason::ContextFull;
+            }
+            let t0 = Instant::now();
+            let h = m
+                .forward_layers(m.embed(&input).map_err(model_err)?, 0..layers, &mut cache)
+                .map_err(model_err)?;
+            let last = h.narrow(0, input.len() - 1, 1);
+            let logits = host(m.logits(last))?;
+            let next = sampler.sample(&logits, &config.sampling);
+            if stats.rounds == 0 {
+                stats.prefill_seconds = start.elapsed().as_secs_f64();
+            } else {
+                stats.verify_seconds += t0.elapsed().as_secs_f64();
+            }
+            stats.record_round(0, 0);
+            if let Some(reason) = out.emit(&[next]) {
+                break reason;
+            }
+            input = vec![next];
+        };
+        Ok((out.tokens, reason))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_eesd<F: FnMut(&[u32]) -> ControlFlow<()>>(
+        &mut self,
+        head: &H,
+        exit: usize,
+        prompt: &[u32],
+        config: &GenerationConfig,
+        mut out: Emitter<'_, F>,
+        stats: &mut GenerationStats,
+    ) -> Result<(Vec<u32>, StopReason)> {
+        let m = self.model;
+        let (lower, upper) = (0..exit, exit..m.num_layers());
+        let context = m.context_length();
+        let params = config.sampling;
+        let mut sampler = Sampler::new(config.seed);
+        let mut cache = m.new_cache();
+        let mut head_cache = head.new_cache(m);
+
+        // Prefill every prompt token but the last; the last one starts the first round. The head
+        // only needs its cache filled (its logits for prompt positions are never used).
+        let start = Instant::now();
+        let p = prompt.len();
+        let mut pending_head: Option<Tensor<2>> = None;
+        if p > 1 {
+            let h = m
+                .forward_layers(
+                    m.embed(&prompt[..p - 1]).map_err(model_err)?,
+                    lower.clone(),
+                    &mut cache,
+                )
+                .map_err(model_err)?;
+            pending_head = Some(h.clone());
+            m.forward_layers(h, upper.clone(), &mut cache)
+                .map_err(model_err)?;
+        }
+        stats.prefill_seconds = start.elapsed().as_secs_f64();
+
+        let mut t0 = prompt[p - 1];
+        let reason = loop {
+            // Committed length: the prompt plus what was emitted; t0 is its last token.
+            let committed = p + out.tokens.len();
+            if out.remaining() == 0 {
+                break StopReason::MaxTokens;
+            }
+            if committed > context {
+                break StopReason::ContextFull;
+            }
+            let cap = self
+                .policy
+                .max_draft()
+                .min(out.remaining() - 1)
+                .min(context - committed);
+
+            // Draft: layers [0, N) and the head, one token at a time, while the policy says so.
+            let draft_start = Instant::now();
+            let h0 = m
+                .forward_layers(
+                    m.embed(&[t0]).map_err(model_err)?,
+                    lower.clone(),
+                    &mut cache,
+                )
+                .map_err(model_err)?;
+            let mut hidden = vec![h0.clone()];
+            let mut drafts: Vec<u32> = Vec::new();
+            let mut draft_probs: Vec<Vec<f32>> = Vec::new();
+            let mut confidences = Vec::new();
+            if cap > 0 && self.policy.begin_round() == Decision::Continue {
+                if let Some(prev) = pending_head.take() {
+                    head.extend(m, prev, &mut head_cache).map_err(model_err)?;
+                }
+                let mut head_input = h0;
+                loop {
+                    let draft = head
+                        .draft_logits(m, head_input, &mut head_cache)
+                        .map_err(model_err)?;
+                    let logits = host(draft.logits)?;
+                    let (token, q, confidence) = choose_draft(
+                        &logits,
+                        draft.token_ids.as_deref(),
+                        &params,
+                        m.vocab_size(),
+                        &mut sampler,
+                    );
+                    drafts.push(token);
+                    confidences.push(confidence);
+                    if let Some(q) = q {
+                        draft_probs.push(q);
+                    }
+                    let step = DraftStep {
+                        position: drafts.len() - 1,
+                        confidence,
+                        entropy: None,
+                    };
+                    let go_on =
+                        drafts.len() < cap && self.policy.decide(&step) == Decision::Continue;
+                    // The block to verify needs the layer-N state of every drafted token.
+                    let h = m
+                        .forward_layers(
+                            m.embed(&[token]).map_err(model_err)?,
+                            lower.clone(),
+                            &mut cache,
+                        )
+                        .map_err(model_err)?;
+                    hidden.push(h.clone());
+                    if !go_on {
+                        break;
+                    }
+                    head_input = h;
+                }
+            }
+            let draft_seconds = draft_start.elapsed().as_secs_f64();
+
+            // Verify: layers [N, L) over the whole block at once, then the LM head.
+            let verify_start = Instant::now();
+            let k = drafts.len();
+            let block = Tensor::cat(hidden.clone(), 0);
+            let top = m
+                .forward_layers(block, upper.clone(), &mut cache)
+                .map_err(model_err)?;
+            let target = rows(host(m.logits(top))?, m.vocab_size());
+            let Verdict { accepted, next } = if params.is_greedy() {
+                accept_greedy(&drafts, &target)
+            } else {
+                let p: Vec<Vec<f32>> = target.iter().map(|row| params.distribution(row)).collect();
+                accept_sampling(&drafts, &draft_probs, &p, &mut sampler)
+            };
+            let verify_seconds = verify_start.elapsed().as_secs_f64();
+            stats.draft_seconds += draft_seconds;
+            stats.verify_seconds += verify_seconds;
+            stats.record_round(k, accepted);
+
+            // Roll back: keep t0 and the accepted drafts in every cache.
+            let keep = committed + accepted;
+            m.truncate(&mut cache, lower.clone(), keep);
+            m.truncate(&mut cache, upper.clone(), keep);
+            if k > 0 {
+                if head.cached_len(&head_cache) > keep {
+                    head.truncate(&mut head_cache, keep);
+                } else if accepted == k {
+                    // All drafts accepted: the head never saw the last one's layer-N state.
+                    pending_head = Some(hidden[k].clone());
+                }
+            }
+            let cost_ratio = (k > 0).then(|| (draft_seconds / k as f64) / verify_seconds.max(1e-9));
+            self.policy.observe(&RoundOutcome {
+                drafted: k,
+                accepted,
+                confidences,
+                cost_ratio,
+            });
+
+            let mut block: Vec<u32> = drafts[..accepted].to_vec();
+            block.push(next);
+            if let Some(reason) = out.emit(&block) {
+                break reason;
+            }
+            t0 = next;
+        };
+        Ok((out.tokens, reason))
+    }
+}
+
+/// Picks the draft token from head logits (over the full vocabulary or a subset); returns the
+/// token, its full-vocabulary draft distribution (sampling only) and its confidence.
+fn choose_draft(
+    logits: &[f32],
+    token_ids: Option<&Vec<u32>>,
+    params: &SamplingParams,
+    vocab: usize,
+    sampler: &mut Sampler,
+) -> (u32, Option<Vec<f32>>, f32) {
+    let to_token = |i: usize| token_ids.map_or(i as u32, |ids| ids[i]);
+    if params.is_greedy() {
+        let i = argmax(logits);
+        return (to_token(i), None, softmax_at(logits, i));
+    }
+    let local = params.distribution(logits);
+    let i = sampler.categorical(&local);
+    let mut q = vec![0f32; vocab];
+    for (j, &pj) in local.iter().enumerate() {
+        q[to_token(j) as usize] += pj;
+    }
+    (to_token(i), Some(q), softmax_at(logits, i))
+}

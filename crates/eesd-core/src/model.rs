@@ -1,0 +1,85 @@
+//! What the decoding loop needs from a model: layers that run in ranges, and a draft head.
+//!
+//! The split mirrors an EESD round: layers `[0, N)` run token by token while drafting, the exit
+//! head turns their hidden state into draft logits, and layers `[N, L)` run once over the whole
+//! drafted block to verify it, reusing the first-N hidden states and KV cache.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use burn::tensor::Tensor;
+
+/// A decoder whose layers can be run in ranges, with a per-layer cache that truncates in O(1).
+pub trait LayeredModel {
+    /// Per-sequence KV cache of all layers; each layer keeps its own length.
+    type Cache;
+    /// The model's error type.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// Number of decoder layers L.
+    fn num_layers(&self) -> usize;
+    /// Maximum positions (prompt + generated).
+    fn context_length(&self) -> usize;
+    /// Vocabulary size.
+    fn vocab_size(&self) -> usize;
+    /// An empty cache.
+    fn new_cache(&self) -> Self::Cache;
+    /// Positions cached by `layer`.
+    fn cached_len(&self, cache: &Self::Cache, layer: usize) -> usize;
+    /// Token ids → hidden states `[t, hidden]`.
+    fn embed(&self, tokens: &[u32]) -> Result<Tensor<2>, Self::Error>;
+    /// Runs `layers` on `hidden: [t, hidden]`, appending `t` positions to those layers' caches.
+    fn forward_layers(
+        &self,
+        hidden: Tensor<2>,
+        layers: Range<usize>,
+        cache: &mut Self::Cache,
+    ) -> Result<Tensor<2>, Self::Error>;
+    /// Final norm + LM head: `[t, hidden]` → logits `[t, vocab]`.
+    fn logits(&self, hidden: Tensor<2>) -> Tensor<2>;
+    /// Forgets positions `len..` in `layers`.
+    fn truncate(&self, cache: &mut Self::Cache, layers: Range<usize>, len: usize);
+}
+
+/// Draft logits of an exit head, possibly over a subset of the vocabulary.
+#[derive(Debug, Clone)]
+pub struct DraftLogits {
+    /// `[t, n]` logits; `n` is the vocabulary size, or the subset size.
+    pub logits: Tensor<2>,
+    /// Token id of each logit column when the head projects onto a vocabulary subset; tokens
+    /// outside it have draft probability zero.
+    pub token_ids: Option<Arc<Vec<u32>>>,
+}
+
+/// An exit head: turns the hidden state after layer N into draft logits.
+pub trait DraftHead<M: LayeredModel> {
+    /// The head's own state (a KV cache when it has attention).
+    type Cache;
+
+    /// The layer this head was trained for; `None` if it works after any layer.
+    fn exit_layer(&self) -> Option<usize>;
+    /// A fresh head state.
+    fn new_cache(&self, model: &M) -> Self::Cache;
+    /// Draft logits for `hidden: [t, hidden]` (layer-N outputs of consecutive positions),
+    /// appending `t` positions to the head's cache.
+    fn draft_logits(
+        &self,
+        model: &M,
+        hidden: Tensor<2>,
+        cache: &mut Self::Cache,
+    ) -> Result<DraftLogits, M::Error>;
+    /// Appends `hidden` to the head's cache without computing logits (prompt positions, and the
+    /// last token of a fully accepted round). The default computes and drops the logits.
+    fn extend(
+        &self,
+        model: &M,
+        hidden: Tensor<2>,
+        cache: &mut Self::Cache,
+    ) -> Result<(), M::Error> {
+        self.draft_logits(model, hidden, cache).map(drop)
+    }
+    /// Positions the head has cached.
+    fn cached_len(&self, cache: &Self::Cache) -> usize;
+    /// Forgets positions `len..`.
+    fn truncate(&self, cache: &mut Self::Cache, len: usize);
+}
