@@ -62,15 +62,12 @@ fn main() -> Result<()> {
                 ..Default::default()
             };
             let warm = lm.chat_prompt(PROMPTS[0])?;
-            generate_ar(
-                &lm.model,
-                &warm,
-                &GenerationConfig {
-                    max_new_tokens: 8,
-                    ..config.clone()
-                },
-                |_| ControlFlow::Continue(()),
-            )?;
+            let mut generator = Generator::new(&lm.model);
+            let warm_config = GenerationConfig {
+                max_new_tokens: 8,
+                ..config.clone()
+            };
+            generator.generate(&warm, &warm_config, |_| ControlFlow::Continue(()))?;
             let (mut tokens, mut seconds, mut decode_seconds) = (0usize, 0f64, 0f64);
             for p in PROMPTS {
                 let ids = lm.chat_prompt(p)?;
