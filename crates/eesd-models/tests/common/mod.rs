@@ -87,3 +87,114 @@ pub fn top_k(v: &[f32], k: usize) -> Vec<(u32, f32)> {
     idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]));
     idx.into_iter().take(k).map(|i| (i as u32, v[i])).collect()
 }
+
+/// A deliberately bad exit head: a random projection onto a random subset of the vocabulary.
+/// Lossless decoding must not depend on draft quality, and this also exercises the
+/// reduced-vocabulary path.
+pub struct RandomHead {
+    weight: burn::tensor::Tensor<2>,
+    ids: std::sync::Arc<Vec<u32>>,
+}
+
+impl RandomHead {
+    pub fn new(model: &eesd_models::Llama, subset: usize, seed: u64) -> Self {
+        use rand::{RngExt, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let (h, v) = (model.config().hidden_size, model.config().vocab_size);
+        let mut ids: Vec<u32> = (0..v as u32).collect();
+        for i in 0..subset.min(v) {
+            let j = rng.random_range(i..v);
+            ids.swap(i, j);
+        }
+        ids.truncate(subset.min(v));
+        let values: Vec<f32> = (0..h * ids.len())
+            .map(|_| rng.random::<f32>() - 0.5)
+            .collect();
+        let weight = burn::tensor::Tensor::from_data(
+            burn::tensor::TensorData::new(values, [h, ids.len()]),
+            model.device(),
+        );
+        RandomHead {
+            weight,
+            ids: std::sync::Arc::new(ids),
+        }
+    }
+}
+
+impl eesd_core::DraftHead<eesd_models::Llama> for RandomHead {
+    type Cache = usize;
+    fn exit_layer(&self) -> Option<usize> {
+        None
+    }
+    fn new_cache(&self, _: &eesd_models::Llama) -> usize {
+        0
+    }
+    fn draft_logits(
+        &self,
+        _: &eesd_models::Llama,
+        hidden: burn::tensor::Tensor<2>,
+        seen: &mut usize,
+    ) -> eesd_models::Result<eesd_core::DraftLogits> {
+        *seen += hidden.dims()[0];
+        Ok(eesd_core::DraftLogits {
+            logits: hidden.matmul(self.weight.clone()),
+            token_ids: Some(self.ids.clone()),
+        })
+    }
+    fn cached_len(&self, seen: &usize) -> usize {
+        *seen
+    }
+    fn truncate(&self, seen: &mut usize, len: usize) {
+        *seen = (*seen).min(len);
+    }
+}
+
+/// Every policy the generator accepts, by spec string.
+pub const POLICIES: [&str; 7] = [
+    "fixed:1",
+    "fixed:4",
+    "threshold:0.2",
+    "beta-ts",
+    "calibrated-ts",
+    "cost-ts",
+    "beta-ts:0.9",
+];
+
+/// One Spec-Bench question (first turn only).
+#[derive(serde::Deserialize, Debug, Clone)]
+pub struct Question {
+    pub question_id: u64,
+    pub category: String,
+    pub turns: Vec<String>,
+}
+
+/// `n` Spec-Bench questions spread over the categories (round-robin, in file order).
+pub fn spec_bench(n: usize) -> Vec<Question> {
+    let shared = std::env::var_os("EESD_SHARED")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("../shared"));
+    let path = shared.join("data/spec_bench.jsonl");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let all: Vec<Question> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("question"))
+        .collect();
+    let mut categories: Vec<String> = Vec::new();
+    for q in &all {
+        if !categories.contains(&q.category) {
+            categories.push(q.category.clone());
+        }
+    }
+    let mut picked = Vec::new();
+    for round in 0.. {
+        for c in &categories {
+            if let Some(q) = all.iter().filter(|q| &q.category == c).nth(round) {
+                picked.push(q.clone());
+            }
+            if picked.len() == n {
+                return picked;
+            }
+        }
+    }
+    picked
+}

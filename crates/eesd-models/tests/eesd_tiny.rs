@@ -1,0 +1,376 @@
+//! EESD on tiny random LLaMA models (fast): greedy output equals AR for every exit layer, policy
+//! and head; rollback leaves caches as if only accepted tokens were seen; sampling has the AR
+//! distribution; context limits stop cleanly.
+
+mod common;
+
+use std::ops::ControlFlow;
+
+use burn::tensor::Tensor;
+use common::{POLICIES, RandomHead, device};
+use eesd_bandit::Policy;
+use eesd_core::{
+    CoreError, DraftHead, GenerationConfig, GenerationOutput, Generator, LayeredModel, Mode,
+    SamplingParams, StopReason,
+};
+use eesd_models::testing::{tiny_config, tiny_gguf_bytes};
+use eesd_models::{Llama, LoadOptions, LoadedModel, NormHead};
+use statrs::distribution::{ChiSquared, ContinuousCDF};
+
+fn tiny(seed: u64) -> Llama {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    std::fs::write(&path, tiny_gguf_bytes(&tiny_config(), seed)).unwrap();
+    LoadedModel::load(&path, &device(), &LoadOptions::default())
+        .unwrap()
+        .model
+}
+
+fn run<H: DraftHead<Llama>>(
+    model: &Llama,
+    head: &H,
+    policy: &str,
+    prompt: &[u32],
+    config: &GenerationConfig,
+) -> GenerationOutput {
+    let mut g = Generator::new(model)
+        .with_head(head)
+        .with_policy(Policy::parse(policy, 3).unwrap());
+    g.generate(prompt, config, |_| ControlFlow::Continue(()))
+        .unwrap()
+}
+
+const PROMPT: [u32; 6] = [257, 72, 101, 108, 108, 111];
+
+#[test]
+fn greedy_eesd_equals_ar_for_every_layer_policy_and_head() {
+    for seed in 0..3 {
+        let model = tiny(seed);
+        let ar_config = GenerationConfig {
+            max_new_tokens: 40,
+            ..Default::default()
+        };
+        let ar = run(&model, &NormHead, "fixed:1", &PROMPT, &ar_config);
+        assert_eq!(ar.tokens.len(), 40);
+        let random = RandomHead::new(&model, 32, seed);
+        for exit in 1..model.num_layers() {
+            for policy in POLICIES {
+                let config = GenerationConfig {
+                    mode: Mode::Eesd,
+                    exit_layer: Some(exit),
+                    ..ar_config.clone()
+                };
+                let norm = run(&model, &NormHead, policy, &PROMPT, &config);
+                assert_eq!(
+                    norm.tokens, ar.tokens,
+                    "seed {seed}, layer {exit}, {policy}, norm head"
+                );
+                let bad = run(&model, &random, policy, &PROMPT, &config);
+                assert_eq!(
+                    bad.tokens, ar.tokens,
+                    "seed {seed}, layer {exit}, {policy}, random head"
+                );
+                assert_eq!(bad.stats.new_tokens, 40);
+            }
+        }
+    }
+}
+
+fn to_vec(t: Tensor<2>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .unwrap()
+}
+
+#[test]
+fn rollback_leaves_caches_as_if_only_accepted_tokens_were_seen() {
+    use rand::{RngExt, SeedableRng};
+    let model = tiny(4);
+    let (n, layers) = (2, model.num_layers());
+    let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+    let mut cache = model.new_cache();
+    let mut committed: Vec<u32> = PROMPT.to_vec();
+    // Prefill all but the last prompt token through both halves.
+    let h = model
+        .forward_layers(model.embed(&committed[..5]).unwrap(), 0..n, &mut cache)
+        .unwrap();
+    model.forward_layers(h, n..layers, &mut cache).unwrap();
+    for round in 0..12 {
+        // t0 and k random drafts through the lower half, then the block through the upper half.
+        let k = rng.random_range(0..5usize);
+        let drafts: Vec<u32> = (0..k).map(|_| rng.random_range(0..256u32)).collect();
+        let t0 = *committed.last().unwrap();
+        let block: Vec<u32> = std::iter::once(t0).chain(drafts.iter().copied()).collect();
+        let mut hidden = Vec::new();
+        for &t in &block {
+            hidden.push(
+                model
+                    .forward_layers(model.embed(&[t]).unwrap(), 0..n, &mut cache)
+                    .unwrap(),
+            );
+        }
+        model
+            .forward_layers(Tensor::cat(hidden, 0), n..layers, &mut cache)
+            .unwrap();
+        // Any accept/reject pattern: keep `a` drafts, then a fresh token.
+        let a = rng.random_range(0..=k);
+        let keep = committed.len() + a;
+        model.truncate(&mut cache, 0..n, keep);
+        model.truncate(&mut cache, n..layers, keep);
+        committed.extend_from_slice(&drafts[..a]);
+        committed.push(rng.random_range(0..256u32));
+        // The rolled-back cache must give the logits of a model that saw only `committed`.
+        let mut probe = cache.clone();
+        let ours = to_vec(model.forward(&committed[keep..], &mut probe).unwrap());
+        let fresh = to_vec(model.forward(&committed, &mut model.new_cache()).unwrap());
+        let tail = &fresh[fresh.len() - ours.len()..];
+        let diff = ours
+            .iter()
+            .zip(tail)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            diff < 1e-4,
+            "round {round}: k={k}, a={a}: max logit difference {diff}"
+        );
+    }
+}
+
+/// Counts of the tokens at `position` over many seeded generations.
+fn histogram<H: DraftHead<Llama>>(
+    model: &Llama,
+    head: &H,
+    mode: Mode,
+    position: usize,
+    runs: u64,
+) -> Vec<usize> {
+    let mut counts = vec![0usize; model.config().vocab_size];
+    let mut g = Generator::new(model)
+        .with_head(head)
+        .with_policy(Policy::parse("fixed:3", 0).unwrap());
+    for seed in 0..runs {
+        let config = GenerationConfig {
+            max_new_tokens: position + 1,
+            sampling: SamplingParams {
+                temperature: 1.5,
+                top_k: 12,
+                top_p: 1.0,
+            },
+            seed: seed * 7919 + mode as u64,
+            mode,
+            exit_layer: Some(2),
+            ..Default::default()
+        };
+        let out = g
+            .generate(&PROMPT, &config, |_| ControlFlow::Continue(()))
+            .unwrap();
+        counts[out.tokens[position] as usize] += 1;
+    }
+    counts
+}
+
+/// p-value of the chi-square test that two samples come from one distribution.
+fn homogeneity_p(a: &[usize], b: &[usize]) -> f64 {
+    let (na, nb) = (
+        a.iter().sum::<usize>() as f64,
+        b.iter().sum::<usize>() as f64,
+    );
+    let (mut stat, mut df) = (0.0, 0);
+    for (&x, &y) in a.iter().zip(b) {
+        let total = (x + y) as f64;
+        if total < 5.0 {
+            continue;
+        }
+        let (ea, eb) = (total * na / (na + nb), total * nb / (na + nb));
+        stat += (x as f64 - ea).powi(2) / ea + (y as f64 - eb).powi(2) / eb;
+        df += 1;
+    }
+    1.0 - ChiSquared::new((df - 1).max(1) as f64).unwrap().cdf(stat)
+}
+
+#[test]
+fn eesd_sampling_has_the_ar_distribution() {
+    let model = tiny(5);
+    let random = RandomHead::new(&model, 40, 2);
+    for position in [0, 2] {
+        let ar = histogram(&model, &NormHead, Mode::Ar, position, 3000);
+        for (name, eesd) in [
+            (
+                "norm head",
+                histogram(&model, &NormHead, Mode::Eesd, position, 3000),
+            ),
+            (
+                "random head",
+                histogram(&model, &random, Mode::Eesd, position, 3000),
+            ),
+        ] {
+            let p = homogeneity_p(&ar, &eesd);
+            let tv: f64 = ar
+                .iter()
+                .zip(&eesd)
+                .map(|(&a, &b)| (a as f64 - b as f64).abs())
+                .sum::<f64>()
+                / 6000.0;
+            assert!(
+                p > 1e-3 && tv < 0.06,
+                "token {position}, {name}: chi-square p = {p}, TV = {tv}"
+            );
+        }
+    }
+}
+
+#[test]
+fn context_limits_stop_cleanly_or_error() {
+    let model = tiny(6);
+    let context = model.config().context_length;
+    let mut g = Generator::new(&model)
+        .with_head(&NormHead)
+        .with_policy(Policy::parse("fixed:4", 0).unwrap());
+    let long = vec![65u32; context];
+    for mode in [Mode::Ar, Mode::Eesd] {
+        let config = GenerationConfig {
+            mode,
+            exit_layer: Some(2),
+            max_new_tokens: 500,
+            ..Default::default()
+        };
+        let err = g
+            .generate(&long, &config, |_| ControlFlow::Continue(()))
+            .unwrap_err();
+        assert!(matches!(err, CoreError::PromptTooLong { .. }), "{err}");
+        assert!(
+            g.generate(&[], &config, |_| ControlFlow::Continue(()))
+                .is_err()
+        );
+        assert!(
+            g.generate(&[99_999], &config, |_| ControlFlow::Continue(()))
+                .is_err()
+        );
+    }
+    // A prompt that nearly fills the context: both modes stop at the same place with ContextFull.
+    let prompt = vec![66u32; context - 10];
+    let mut out = |mode| {
+        let config = GenerationConfig {
+            mode,
+            exit_layer: Some(2),
+            max_new_tokens: 500,
+            ..Default::default()
+        };
+        g.generate(&prompt, &config, |_| ControlFlow::Continue(()))
+            .unwrap()
+    };
+    let (ar, eesd) = (out(Mode::Ar), out(Mode::Eesd));
+    assert_eq!(ar.stop_reason, StopReason::ContextFull);
+    assert_eq!(eesd.stop_reason, StopReason::ContextFull);
+    assert_eq!(ar.tokens, eesd.tokens);
+    assert!(prompt.len() + ar.tokens.len() <= context + 1);
+}
+
+#[test]
+fn stop_tokens_strings_and_callbacks_end_generation_mid_block() {
+    let model = tiny(7);
+    let base = GenerationConfig {
+        max_new_tokens: 30,
+        ..Default::default()
+    };
+    let ar = run(&model, &NormHead, "fixed:1", &PROMPT, &base);
+    let stop = ar.tokens[9];
+    let first = ar.tokens.iter().position(|&t| t == stop).unwrap();
+    for mode in [Mode::Ar, Mode::Eesd] {
+        let config = GenerationConfig {
+            mode,
+            exit_layer: Some(1),
+            stop_tokens: vec![stop],
+            ..base.clone()
+        };
+        let out = run(&model, &NormHead, "fixed:4", &PROMPT, &config);
+        assert_eq!(out.tokens, ar.tokens[..=first], "{mode:?}");
+        assert_eq!(out.stop_reason, StopReason::StopToken);
+
+        let mut g = Generator::new(&model)
+            .with_head(&NormHead)
+            .with_policy(Policy::parse("fixed:4", 0).unwrap());
+        let mut streamed = Vec::new();
+        let config = GenerationConfig {
+            mode,
+            exit_layer: Some(1),
+            ..base.clone()
+        };
+        let out = g
+            .generate(&PROMPT, &config, |ids| {
+                streamed.extend_from_slice(ids);
+                if streamed.len() >= 5 {
+                    ControlFlow::Break(())
+                } else {
+                    ControlFlow::Continue(())
+                }
+            })
+            .unwrap();
+        assert_eq!(out.stop_reason, StopReason::Callback);
+        assert_eq!(out.tokens, streamed);
+        assert_eq!(out.tokens, ar.tokens[..out.tokens.len()]);
+
+        // Stop strings need a detokenizer; with one they end generation.
+        let config = GenerationConfig {
+            mode,
+            exit_layer: Some(1),
+            stop_strings: vec!["x".into()],
+            ..base.clone()
+        };
+        assert!(
+            g.generate(&PROMPT, &config, |_| ControlFlow::Continue(()))
+                .is_err()
+        );
+        let target = ar.tokens[4];
+        let mut g = g.with_detokenizer(move |ids: &[u32]| {
+            ids.iter()
+                .map(|&t| {
+                    if t == target {
+                        "STOP".to_string()
+                    } else {
+                        "a".to_string()
+                    }
+                })
+                .collect()
+        });
+        let config = GenerationConfig {
+            stop_strings: vec!["STOP".into()],
+            ..config
+        };
+        let out = g
+            .generate(&PROMPT, &config, |_| ControlFlow::Continue(()))
+            .unwrap();
+        assert_eq!(out.stop_reason, StopReason::StopString);
+        assert!(out.tokens.contains(&target));
+    }
+}
+
+#[test]
+fn eesd_needs_a_valid_head_and_layer() {
+    let model = tiny(8);
+    let mut ar_only = Generator::new(&model);
+    let config = GenerationConfig {
+        mode: Mode::Eesd,
+        exit_layer: Some(2),
+        ..Default::default()
+    };
+    assert!(
+        ar_only
+            .generate(&PROMPT, &config, |_| ControlFlow::Continue(()))
+            .is_err()
+    );
+    let mut g = Generator::new(&model).with_head(&NormHead);
+    for bad in [None, Some(0), Some(4), Some(99)] {
+        let config = GenerationConfig {
+            mode: Mode::Eesd,
+            exit_layer: bad,
+            ..Default::default()
+        };
+        assert!(
+            g.generate(&PROMPT, &config, |_| ControlFlow::Continue(()))
+                .is_err(),
+            "{bad:?}"
+        );
+    }
+}
