@@ -33,7 +33,7 @@ pub struct Llama {
     embedding: Tensor<2>,
     layers: Vec<DecoderLayer>,
     final_norm: Tensor<1>,
-    /// LM head `[hidden, vocab]` (the embedding's transpose when tied).
+    /// LM head `[vocab, hidden]` (the embedding itself when tied).
     lm_head: Tensor<2>,
     rope: Rope,
 }
@@ -60,7 +60,7 @@ impl Llama {
             let t = checkpoint.read(name, 0)?.expect_shape(name, &[h])?;
             Ok(Tensor::from_data(TensorData::new(t.values, [h]), device))
         };
-        // `[out, in]` matrices from the file, fused along `out` and stored `[in, out]`.
+        // `[out, in]` matrices from the file, fused along `out`, kept `[out, in]`.
         let fused = |parts: &[(WeightName, usize, usize)]| -> Result<Tensor<2>> {
             let mut rows = Vec::new();
             let mut n_out = 0;
@@ -72,13 +72,10 @@ impl Llama {
                 n_out += out;
             }
             let inn = rows.len() / n_out.max(1);
-            Ok(upload(
-                HostTensor {
-                    values: rows,
-                    shape: vec![n_out, inn],
-                }
-                .transposed(),
-            ))
+            Ok(upload(HostTensor {
+                values: rows,
+                shape: vec![n_out, inn],
+            }))
         };
 
         let embedding = checkpoint.read(WeightName::Embedding, 0)?;
@@ -95,15 +92,16 @@ impl Llama {
                 embedding: embedding.shape[0],
             });
         }
-        let lm_head = if c.tie_word_embeddings {
-            upload(embedding.transposed())
-        } else {
-            let t = checkpoint
-                .read(WeightName::LmHead, 0)?
-                .expect_shape(WeightName::LmHead, &[c.vocab_size, h])?;
-            upload(t.transposed())
-        };
         let embedding = upload(embedding);
+        let lm_head = if c.tie_word_embeddings {
+            embedding.clone()
+        } else {
+            upload(
+                checkpoint
+                    .read(WeightName::LmHead, 0)?
+                    .expect_shape(WeightName::LmHead, &[c.vocab_size, h])?,
+            )
+        };
 
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
@@ -113,26 +111,24 @@ impl Llama {
                         .read(name, heads)?
                         .expect_shape(name, &[out, inn])
                 };
-            // Validate input widths before fusing (fused() only knows the output widths).
-            check_in(WeightName::O(i), h, c.num_heads * d, 0)?;
             let wqkv = fused(&[
                 (WeightName::Q(i), c.num_heads * d, c.num_heads),
                 (WeightName::K(i), c.num_kv_heads * d, c.num_kv_heads),
                 (WeightName::V(i), c.num_kv_heads * d, 0),
             ])?;
-            let wo = upload(check_in(WeightName::O(i), h, c.num_heads * d, 0)?.transposed());
+            let wo = upload(check_in(WeightName::O(i), h, c.num_heads * d, 0)?);
             let w_gate_up = fused(&[
                 (WeightName::Gate(i), c.intermediate_size, 0),
                 (WeightName::Up(i), c.intermediate_size, 0),
             ])?;
-            let w_down =
-                upload(check_in(WeightName::Down(i), h, c.intermediate_size, 0)?.transposed());
+            let w_down = upload(check_in(WeightName::Down(i), h, c.intermediate_size, 0)?);
+            // fused() checks output widths; the input widths are checked here.
             for (w, inn) in [(&wqkv, h), (&w_gate_up, h)] {
-                if w.dims()[0] != inn {
+                if w.dims()[1] != inn {
                     return Err(ModelError::ShapeMismatch {
                         name: format!("layer {i} input projections"),
                         expected: vec![inn],
-                        found: vec![w.dims()[0]],
+                        found: vec![w.dims()[1]],
                     });
                 }
             }
@@ -193,7 +189,7 @@ impl Llama {
         &self.final_norm
     }
 
-    /// The LM head `[hidden, vocab]`.
+    /// The LM head `[vocab, hidden]`.
     pub fn lm_head(&self) -> &Tensor<2> {
         &self.lm_head
     }
