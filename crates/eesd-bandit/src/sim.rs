@@ -128,12 +128,13 @@ pub fn simulate(
     for round in 0..rounds {
         let mut rng =
             StdRng::seed_from_u64(seed ^ (round as u64).wrapping_mul(0x2545_F491_4F6C_DD1D));
-        let draft_any = policy.begin_round() == Decision::Continue;
         let cap = policy.max_draft();
+        // A policy that declines to draft makes this round a plain decoding step.
+        let mut drafting = policy.begin_round() == Decision::Continue && cap > 0;
         let mut confidences = Vec::new();
         let mut accepted = 0;
         let mut rejected = false;
-        while draft_any && cap > 0 {
+        while drafting {
             let (c, ok) = process.token(round, &mut rng);
             let position = confidences.len();
             confidences.push(c);
@@ -147,9 +148,7 @@ pub fn simulate(
                 confidence: c,
                 entropy: None,
             };
-            if confidences.len() >= cap || policy.decide(&step) == Decision::Stop {
-                break;
-            }
+            drafting = confidences.len() < cap && policy.decide(&step) == Decision::Continue;
         }
         let drafted = confidences.len();
         policy.observe(&RoundOutcome {
