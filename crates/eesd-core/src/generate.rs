@@ -166,18 +166,21 @@ pub struct GenerationOutput {
     pub stats: GenerationStats,
 }
 
+/// Turns token ids into text (for stop strings).
+pub type Detokenizer<'a> = dyn Fn(&[u32]) -> String + 'a;
+
 /// Collects emitted tokens, applies the stop conditions and streams to the callback.
 pub(crate) struct Emitter<'c, F> {
     pub tokens: Vec<u32>,
     config: &'c GenerationConfig,
-    detokenize: Option<&'c dyn Fn(&[u32]) -> String>,
+    detokenize: Option<&'c Detokenizer<'c>>,
     on_tokens: F,
 }
 
 impl<'c, F: FnMut(&[u32]) -> ControlFlow<()>> Emitter<'c, F> {
     pub fn new(
         config: &'c GenerationConfig,
-        detokenize: Option<&'c dyn Fn(&[u32]) -> String>,
+        detokenize: Option<&'c Detokenizer<'c>>,
         on_tokens: F,
     ) -> Result<Self> {
         if !config.stop_strings.is_empty() && detokenize.is_none() {

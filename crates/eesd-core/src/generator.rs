@@ -9,7 +9,7 @@ use eesd_bandit::{Decision, DraftPolicy, DraftStep, Policy, RoundOutcome};
 use crate::accept::{Verdict, accept_greedy, accept_sampling};
 use crate::error::{CoreError, Result};
 use crate::generate::{
-    Emitter, GenerationConfig, GenerationOutput, GenerationStats, Mode, StopReason,
+    Detokenizer, Emitter, GenerationConfig, GenerationOutput, GenerationStats, Mode, StopReason,
 };
 use crate::model::{DraftHead, DraftLogits, LayeredModel};
 use crate::sampling::{Sampler, SamplingParams, argmax};
@@ -50,7 +50,7 @@ pub struct Generator<'a, M: LayeredModel, H: DraftHead<M> = NoHead> {
     model: &'a M,
     head: Option<&'a H>,
     policy: Box<dyn DraftPolicy + 'a>,
-    detokenize: Option<Box<dyn Fn(&[u32]) -> String + 'a>>,
+    detokenize: Option<Box<Detokenizer<'a>>>,
 }
 
 impl<'a, M: LayeredModel> Generator<'a, M, NoHead> {
@@ -156,7 +156,7 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
         &mut self,
         prompt: &[u32],
         config: &GenerationConfig,
-        detokenize: Option<&dyn Fn(&[u32]) -> String>,
+        detokenize: Option<&Detokenizer<'_>>,
         on_tokens: impl FnMut(&[u32]) -> ControlFlow<()>,
     ) -> Result<GenerationOutput> {
         let emitter = Emitter::new(config, detokenize, on_tokens)?;
