@@ -109,7 +109,7 @@ fn main() -> Result<()> {
     if args.head != "norm" {
         anyhow::bail!("unknown head `{}` (available: norm)", args.head);
     }
-    let head = NormHead;
+    let head = NormHead::new();
     let policy = Policy::parse(&args.policy, args.seed)?;
 
     let prompt_ids = match (&args.prompt_ids, &args.prompt) {

@@ -19,8 +19,15 @@ pub struct LayerCache {
     len: usize,
 }
 
+impl Default for LayerCache {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl LayerCache {
-    fn new() -> Self {
+    /// An empty cache.
+    pub fn new() -> Self {
         LayerCache { kv: None, len: 0 }
     }
 

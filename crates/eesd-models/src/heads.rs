@@ -1,15 +1,144 @@
 //! Exit heads: from the hidden state after layer N to draft logits.
+//!
+//! - [`NormHead`]: the model's own final norm + LM head (parameter-free, any layer).
+//! - [`LayerHead`]: one decoder layer of its own (initialised from a copy of a model layer),
+//!   a norm, and the model's LM head — the EESD early-exiting layer.
+//!
+//! Any head can project onto a [`VocabSubset`] instead of the whole vocabulary: on
+//! SmolLM2-135M the 49,152 × 576 LM head is 21% of all weights, so a full-vocabulary draft costs
+//! a fifth of a decoding step per token. Verification always uses the full vocabulary, so a subset
+//! changes only the draft quality, never the output.
 
-use burn::tensor::Tensor;
+use std::sync::Arc;
+
+use burn::module::{Module, Param};
+use burn::tensor::{Int, Tensor, TensorData};
 use eesd_core::{DraftHead, DraftLogits};
 
-use crate::error::Result;
+use crate::cache::LayerCache;
+use crate::error::{ModelError, Result};
+use crate::layer::{AttentionContext, DecoderLayer, linear, rms_norm};
 use crate::llama::Llama;
 
-/// The parameter-free head: the model's own final RMSNorm and LM head applied to the layer-N
-/// hidden state (the LayerSkip-style baseline). Works after any layer; needs no training.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct NormHead;
+/// A set of token ids the draft projects onto (e.g. the most frequent ones).
+#[derive(Debug, Clone, PartialEq)]
+pub struct VocabSubset {
+    ids: Arc<Vec<u32>>,
+}
+
+impl VocabSubset {
+    /// Validates ids against the vocabulary size: non-empty, in range, no duplicates.
+    pub fn new(ids: Vec<u32>, vocab_size: usize) -> Result<Self> {
+        if ids.is_empty() {
+            return Err(ModelError::InvalidArgument(
+                "empty vocabulary subset".into(),
+            ));
+        }
+        let mut seen = vec![false; vocab_size];
+        for &id in &ids {
+            let slot = seen
+                .get_mut(id as usize)
+                .ok_or(ModelError::TokenOutOfRange {
+                    id,
+                    vocab: vocab_size,
+                })?;
+            if std::mem::replace(slot, true) {
+                return Err(ModelError::InvalidArgument(format!(
+                    "token {id} appears twice in the vocabulary subset"
+                )));
+            }
+        }
+        Ok(VocabSubset { ids: Arc::new(ids) })
+    }
+
+    /// The `n` most frequent ids of `counts` (index = token id), always including `always`
+    /// (e.g. the end-of-sequence token).
+    pub fn most_frequent(counts: &[u64], n: usize, always: &[u32]) -> Result<Self> {
+        let mut order: Vec<u32> = (0..counts.len() as u32).collect();
+        order.sort_by(|&a, &b| counts[b as usize].cmp(&counts[a as usize]).then(a.cmp(&b)));
+        let mut ids: Vec<u32> = always.to_vec();
+        ids.extend(
+            order
+                .into_iter()
+                .filter(|id| !always.contains(id))
+                .take(n.saturating_sub(always.len())),
+        );
+        Self::new(ids, counts.len())
+    }
+
+    /// The ids, in projection order.
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// Number of ids.
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Whether the subset is empty (never true for a constructed value).
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// The rows of an LM head `[vocab, hidden]` for these ids.
+    fn rows_of(&self, lm_head: &Tensor<2>) -> Tensor<2> {
+        let ids: Vec<i32> = self.ids.iter().map(|&i| i as i32).collect();
+        let ids =
+            Tensor::<1, Int>::from_data(TensorData::new(ids, [self.ids.len()]), &lm_head.device());
+        lm_head.clone().select(0, ids)
+    }
+}
+
+/// The output projection of a head: the model's LM head, whole or restricted to a subset.
+#[derive(Debug, Clone)]
+struct Projection {
+    weight: Tensor<2>,
+    ids: Option<Arc<Vec<u32>>>,
+}
+
+impl Projection {
+    fn new(model: &Llama, subset: Option<&VocabSubset>) -> Self {
+        match subset {
+            None => Projection {
+                weight: model.lm_head().clone(),
+                ids: None,
+            },
+            Some(s) => Projection {
+                weight: s.rows_of(model.lm_head()),
+                ids: Some(s.ids.clone()),
+            },
+        }
+    }
+
+    fn logits(&self, normed: Tensor<2>) -> DraftLogits {
+        DraftLogits {
+            logits: linear(normed, self.weight.clone()),
+            token_ids: self.ids.clone(),
+        }
+    }
+}
+
+/// The parameter-free head: the model's final RMSNorm and LM head applied to the layer-N hidden
+/// state (the LayerSkip-style baseline). Works after any layer; needs no training.
+#[derive(Debug, Clone, Default)]
+pub struct NormHead {
+    projection: Option<Projection>,
+}
+
+impl NormHead {
+    /// Projects onto the full vocabulary.
+    pub fn new() -> Self {
+        NormHead { projection: None }
+    }
+
+    /// Projects onto `subset` only.
+    pub fn with_vocab(model: &Llama, subset: &VocabSubset) -> Self {
+        NormHead {
+            projection: Some(Projection::new(model, Some(subset))),
+        }
+    }
+}
 
 impl DraftHead<Llama> for NormHead {
     type Cache = usize;
@@ -29,9 +158,16 @@ impl DraftHead<Llama> for NormHead {
         seen: &mut usize,
     ) -> Result<DraftLogits> {
         *seen += hidden.dims()[0];
-        Ok(DraftLogits {
-            logits: model.logits(hidden),
-            token_ids: None,
+        Ok(match &self.projection {
+            None => DraftLogits {
+                logits: model.logits(hidden),
+                token_ids: None,
+            },
+            Some(p) => p.logits(rms_norm(
+                hidden,
+                model.final_norm().clone(),
+                model.config().rms_norm_eps,
+            )),
         })
     }
 
@@ -46,5 +182,129 @@ impl DraftHead<Llama> for NormHead {
 
     fn truncate(&self, seen: &mut usize, len: usize) {
         *seen = (*seen).min(len);
+    }
+}
+
+/// The trainable part of a [`LayerHead`]: one decoder layer and its output norm.
+#[derive(Module, Debug)]
+pub struct LayerHeadWeights {
+    /// The head's own decoder layer.
+    pub layer: DecoderLayer,
+    /// RMSNorm gain before the (shared, frozen) LM head.
+    pub norm: Param<Tensor<1>>,
+}
+
+/// EESD's early-exiting layer: a decoder layer of its own (with its own KV cache), an RMSNorm,
+/// and the model's LM head (shared and frozen; optionally restricted to a [`VocabSubset`]).
+#[derive(Debug)]
+pub struct LayerHead {
+    weights: LayerHeadWeights,
+    exit_layer: usize,
+    projection: Projection,
+}
+
+impl LayerHead {
+    /// A head for exit layer `n`, initialised from a copy of model layer `init_from` and the
+    /// model's final norm.
+    pub fn from_model(
+        model: &Llama,
+        n: usize,
+        init_from: usize,
+        subset: Option<&VocabSubset>,
+    ) -> Result<Self> {
+        let layers = model.num_layers();
+        if n == 0 || n >= layers || init_from >= layers {
+            return Err(ModelError::InvalidArgument(format!(
+                "exit layer {n} / init layer {init_from} out of range for {layers} layers"
+            )));
+        }
+        let weights = LayerHeadWeights {
+            layer: model.layers()[init_from].clone(),
+            norm: Param::from_tensor(model.final_norm().clone()),
+        };
+        Ok(Self::from_weights(model, n, weights, subset))
+    }
+
+    /// A head from trained weights.
+    pub fn from_weights(
+        model: &Llama,
+        n: usize,
+        weights: LayerHeadWeights,
+        subset: Option<&VocabSubset>,
+    ) -> Self {
+        LayerHead {
+            weights,
+            exit_layer: n,
+            projection: Projection::new(model, subset),
+        }
+    }
+
+    /// The trainable weights.
+    pub fn weights(&self) -> &LayerHeadWeights {
+        &self.weights
+    }
+
+    /// The vocabulary subset, if any.
+    pub fn token_ids(&self) -> Option<&[u32]> {
+        self.projection.ids.as_deref().map(Vec::as_slice)
+    }
+
+    /// Runs the head's layer and norm on `hidden: [t, hidden]`, with or without a cache.
+    fn hidden(
+        &self,
+        model: &Llama,
+        hidden: Tensor<2>,
+        cache: Option<&mut LayerCache>,
+    ) -> Result<Tensor<2>> {
+        let c = model.config();
+        let past = cache.as_ref().map_or(0, |c| c.len());
+        let t = hidden.dims()[0];
+        let ctx = AttentionContext::new(
+            model.rope(),
+            past,
+            t,
+            c.num_kv_heads,
+            c.num_heads / c.num_kv_heads,
+        );
+        let h = self
+            .weights
+            .layer
+            .forward(hidden, model.rope(), &ctx, cache, c.context_length)?;
+        Ok(rms_norm(h, self.weights.norm.val(), c.rms_norm_eps))
+    }
+}
+
+impl DraftHead<Llama> for LayerHead {
+    type Cache = LayerCache;
+
+    fn exit_layer(&self) -> Option<usize> {
+        Some(self.exit_layer)
+    }
+
+    fn new_cache(&self, _: &Llama) -> LayerCache {
+        LayerCache::new()
+    }
+
+    fn draft_logits(
+        &self,
+        model: &Llama,
+        hidden: Tensor<2>,
+        cache: &mut LayerCache,
+    ) -> Result<DraftLogits> {
+        Ok(self
+            .projection
+            .logits(self.hidden(model, hidden, Some(cache))?))
+    }
+
+    fn extend(&self, model: &Llama, hidden: Tensor<2>, cache: &mut LayerCache) -> Result<()> {
+        self.hidden(model, hidden, Some(cache)).map(drop)
+    }
+
+    fn cached_len(&self, cache: &LayerCache) -> usize {
+        cache.len()
+    }
+
+    fn truncate(&self, cache: &mut LayerCache, len: usize) {
+        cache.truncate(len);
     }
 }

@@ -48,7 +48,7 @@ fn greedy_eesd_matches_the_golden_continuations() {
                 ..Default::default()
             };
             let out = if head_name == "norm" {
-                generate(&NormHead, policy, &g.prompt_ids, &config)
+                generate(&NormHead::new(), policy, &g.prompt_ids, &config)
             } else {
                 generate(&random, policy, &g.prompt_ids, &config)
             };
@@ -75,7 +75,7 @@ fn greedy_eesd_is_token_identical_to_ar_on_spec_bench() {
             stop_tokens: eos(),
             ..Default::default()
         };
-        let ar = generate(&NormHead, "fixed:1", &prompt, &base);
+        let ar = generate(&NormHead::new(), "fixed:1", &prompt, &base);
         // Two EESD configurations per question, cycling through layers × policies × heads so that
         // every combination of policy and head appears across the set.
         for j in 0..2 {
@@ -88,7 +88,7 @@ fn greedy_eesd_is_token_identical_to_ar_on_spec_bench() {
                 ..base.clone()
             };
             let (out, head) = if c % 2 == 0 {
-                (generate(&NormHead, policy, &prompt, &config), "norm")
+                (generate(&NormHead::new(), policy, &prompt, &config), "norm")
             } else {
                 (generate(&random, policy, &prompt, &config), "random")
             };

@@ -14,7 +14,7 @@ use eesd_core::{
     SamplingParams, StopReason,
 };
 use eesd_models::testing::{tiny_config, tiny_gguf_bytes};
-use eesd_models::{Llama, LoadOptions, LoadedModel, NormHead};
+use eesd_models::{LayerHead, Llama, LoadOptions, LoadedModel, NormHead, VocabSubset};
 use statrs::distribution::{ChiSquared, ContinuousCDF};
 
 fn tiny(seed: u64) -> Llama {
@@ -50,9 +50,12 @@ fn greedy_eesd_equals_ar_for_every_layer_policy_and_head() {
             max_new_tokens: 40,
             ..Default::default()
         };
-        let ar = run(&model, &NormHead, "fixed:1", &PROMPT, &ar_config);
+        let ar = run(&model, &NormHead::new(), "fixed:1", &PROMPT, &ar_config);
         assert_eq!(ar.tokens.len(), 40);
         let random = RandomHead::new(&model, 32, seed);
+        let subset =
+            VocabSubset::new((0..64).map(|i| (i * 3 + seed as u32) % 259).collect(), 259).unwrap();
+        let small_norm = NormHead::with_vocab(&model, &subset);
         for exit in 1..model.num_layers() {
             for policy in POLICIES {
                 let config = GenerationConfig {
@@ -60,7 +63,7 @@ fn greedy_eesd_equals_ar_for_every_layer_policy_and_head() {
                     exit_layer: Some(exit),
                     ..ar_config.clone()
                 };
-                let norm = run(&model, &NormHead, policy, &PROMPT, &config);
+                let norm = run(&model, &NormHead::new(), policy, &PROMPT, &config);
                 assert_eq!(
                     norm.tokens, ar.tokens,
                     "seed {seed}, layer {exit}, {policy}, norm head"
@@ -71,6 +74,18 @@ fn greedy_eesd_equals_ar_for_every_layer_policy_and_head() {
                     "seed {seed}, layer {exit}, {policy}, random head"
                 );
                 assert_eq!(bad.stats.new_tokens, 40);
+                // A trainable head (its own layer and KV cache) over a reduced vocabulary.
+                let layer_head = LayerHead::from_model(&model, exit, exit, Some(&subset)).unwrap();
+                let out = run(&model, &layer_head, policy, &PROMPT, &config);
+                assert_eq!(
+                    out.tokens, ar.tokens,
+                    "seed {seed}, layer {exit}, {policy}, layer head"
+                );
+                let out = run(&model, &small_norm, policy, &PROMPT, &config);
+                assert_eq!(
+                    out.tokens, ar.tokens,
+                    "seed {seed}, layer {exit}, {policy}, subset norm head"
+                );
             }
         }
     }
@@ -193,16 +208,22 @@ fn homogeneity_p(a: &[usize], b: &[usize]) -> f64 {
 fn eesd_sampling_has_the_ar_distribution() {
     let model = tiny(5);
     let random = RandomHead::new(&model, 40, 2);
+    let subset = VocabSubset::new((0..40).chain(100..140).collect(), 259).unwrap();
+    let small = NormHead::with_vocab(&model, &subset);
     for position in [0, 2] {
-        let ar = histogram(&model, &NormHead, Mode::Ar, position, 3000);
+        let ar = histogram(&model, &NormHead::new(), Mode::Ar, position, 3000);
         for (name, eesd) in [
             (
                 "norm head",
-                histogram(&model, &NormHead, Mode::Eesd, position, 3000),
+                histogram(&model, &NormHead::new(), Mode::Eesd, position, 3000),
             ),
             (
                 "random head",
                 histogram(&model, &random, Mode::Eesd, position, 3000),
+            ),
+            (
+                "subset norm head",
+                histogram(&model, &small, Mode::Eesd, position, 3000),
             ),
         ] {
             let p = homogeneity_p(&ar, &eesd);
@@ -224,8 +245,9 @@ fn eesd_sampling_has_the_ar_distribution() {
 fn context_limits_stop_cleanly_or_error() {
     let model = tiny(6);
     let context = model.config().context_length;
+    let norm = NormHead::new();
     let mut g = Generator::new(&model)
-        .with_head(&NormHead)
+        .with_head(&norm)
         .with_policy(Policy::parse("fixed:4", 0).unwrap());
     let long = vec![65u32; context];
     for mode in [Mode::Ar, Mode::Eesd] {
@@ -274,7 +296,7 @@ fn stop_tokens_strings_and_callbacks_end_generation_mid_block() {
         max_new_tokens: 30,
         ..Default::default()
     };
-    let ar = run(&model, &NormHead, "fixed:1", &PROMPT, &base);
+    let ar = run(&model, &NormHead::new(), "fixed:1", &PROMPT, &base);
     let stop = ar.tokens[9];
     let first = ar.tokens.iter().position(|&t| t == stop).unwrap();
     for mode in [Mode::Ar, Mode::Eesd] {
@@ -284,12 +306,13 @@ fn stop_tokens_strings_and_callbacks_end_generation_mid_block() {
             stop_tokens: vec![stop],
             ..base.clone()
         };
-        let out = run(&model, &NormHead, "fixed:4", &PROMPT, &config);
+        let out = run(&model, &NormHead::new(), "fixed:4", &PROMPT, &config);
         assert_eq!(out.tokens, ar.tokens[..=first], "{mode:?}");
         assert_eq!(out.stop_reason, StopReason::StopToken);
 
+        let norm = NormHead::new();
         let mut g = Generator::new(&model)
-            .with_head(&NormHead)
+            .with_head(&norm)
             .with_policy(Policy::parse("fixed:4", 0).unwrap());
         let mut streamed = Vec::new();
         let config = GenerationConfig {
@@ -360,7 +383,8 @@ fn eesd_needs_a_valid_head_and_layer() {
             .generate(&PROMPT, &config, |_| ControlFlow::Continue(()))
             .is_err()
     );
-    let mut g = Generator::new(&model).with_head(&NormHead);
+    let norm = NormHead::new();
+    let mut g = Generator::new(&model).with_head(&norm);
     for bad in [None, Some(0), Some(4), Some(99)] {
         let config = GenerationConfig {
             mode: Mode::Eesd,
@@ -373,4 +397,41 @@ fn eesd_needs_a_valid_head_and_layer() {
             "{bad:?}"
         );
     }
+}
+
+#[test]
+fn vocab_subsets_and_head_layers_are_validated() {
+    assert!(VocabSubset::new(vec![], 10).is_err());
+    assert!(VocabSubset::new(vec![1, 2, 1], 10).is_err());
+    assert!(VocabSubset::new(vec![1, 10], 10).is_err());
+    let s = VocabSubset::most_frequent(&[5, 0, 9, 1, 7], 3, &[1]).unwrap();
+    assert_eq!(s.ids(), &[1, 2, 4]);
+    let model = tiny(9);
+    assert!(LayerHead::from_model(&model, 0, 0, None).is_err());
+    assert!(LayerHead::from_model(&model, 2, 7, None).is_err());
+    // A head trained for layer 2 refuses to run at layer 3.
+    let head = LayerHead::from_model(&model, 2, 2, None).unwrap();
+    let mut g = Generator::new(&model).with_head(&head);
+    let config = GenerationConfig {
+        mode: Mode::Eesd,
+        exit_layer: Some(3),
+        ..Default::default()
+    };
+    assert!(
+        g.generate(&PROMPT, &config, |_| ControlFlow::Continue(()))
+            .is_err()
+    );
+    let config = GenerationConfig {
+        mode: Mode::Eesd,
+        exit_layer: None,
+        max_new_tokens: 5,
+        ..Default::default()
+    };
+    assert_eq!(
+        g.generate(&PROMPT, &config, |_| ControlFlow::Continue(()))
+            .unwrap()
+            .tokens
+            .len(),
+        5
+    );
 }

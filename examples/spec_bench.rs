@@ -1,0 +1,283 @@
+//! Spec-Bench: AR against EESD methods on the same questions, greedy, in one run.
+//!
+//! ```text
+//! cargo run --release --example spec_bench -- --questions ../shared/data/spec_bench.jsonl \
+//!     --per-category 2 --max-new-tokens 128 [--methods norm@8/cost-ts,norm@12/fixed:2] [--json] [--out DIR]
+//! ```
+//! A method is `HEAD@LAYER/POLICY` (head: `norm`). For every question the methods run right after
+//! AR on the same prompt (first turn, chat template), so machine drift cancels in the speedup, and
+//! every method's tokens are compared with AR's: `divergences` must be 0.
+
+use std::collections::BTreeMap;
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use eesd::bandit::Policy;
+use eesd::core::{Backend, GenerationConfig, GenerationOutput, Generator, Mode};
+use eesd::models::{Llama, LoadOptions, LoadedModel, NormHead, WeightDType, fetch};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Deserialize;
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Spec-Bench questions (jsonl with question_id, category, turns).
+    #[arg(long, default_value = "../shared/data/spec_bench.jsonl")]
+    questions: PathBuf,
+    /// Questions per category (the first ones of each).
+    #[arg(long, default_value_t = 2)]
+    per_category: usize,
+    /// New tokens per answer.
+    #[arg(long, default_value_t = 128)]
+    max_new_tokens: usize,
+    /// Methods besides AR, comma-separated `HEAD@LAYER/POLICY`.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "norm@8/cost-ts,norm@8/fixed:2,norm@16/cost-ts"
+    )]
+    methods: Vec<String>,
+    /// Model file or directory (default: the cached SmolLM2, fetched if absent).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Backend.
+    #[arg(long, default_value = "flex")]
+    device: Backend,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+    /// Also write results.md and results.json into this directory.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Deserialize)]
+struct Question {
+    question_id: u64,
+    category: String,
+    turns: Vec<String>,
+}
+
+struct Method {
+    name: String,
+    exit_layer: usize,
+    policy: Policy,
+}
+
+fn parse_method(spec: &str, seed: u64) -> Result<Method> {
+    let (head, rest) = spec
+        .split_once('@')
+        .context("method must be HEAD@LAYER/POLICY")?;
+    let (layer, policy) = rest
+        .split_once('/')
+        .context("method must be HEAD@LAYER/POLICY")?;
+    if head != "norm" {
+        bail!("unknown head `{head}` in `{spec}` (available: norm)");
+    }
+    Ok(Method {
+        name: spec.to_string(),
+        exit_layer: layer.parse()?,
+        policy: Policy::parse(policy, seed)?,
+    })
+}
+
+/// Sums over a set of runs.
+#[derive(Default, Clone, serde::Serialize)]
+struct Totals {
+    runs: usize,
+    tokens: usize,
+    seconds: f64,
+    rounds: usize,
+    draft_seconds: f64,
+    verify_seconds: f64,
+    divergences: usize,
+    accepted_histogram: Vec<usize>,
+}
+
+impl Totals {
+    fn add(&mut self, out: &GenerationOutput, diverged: bool) {
+        let s = &out.stats;
+        self.runs += 1;
+        self.tokens += s.new_tokens;
+        self.seconds += s.seconds;
+        self.rounds += s.rounds;
+        self.draft_seconds += s.draft_seconds;
+        self.verify_seconds += s.verify_seconds;
+        self.divergences += diverged as usize;
+        for (i, n) in s.accepted_histogram.iter().enumerate() {
+            if self.accepted_histogram.len() <= i {
+                self.accepted_histogram.resize(i + 1, 0);
+            }
+            self.accepted_histogram[i] += n;
+        }
+    }
+
+    fn tokens_per_second(&self) -> f64 {
+        self.tokens as f64 / self.seconds.max(1e-9)
+    }
+
+    fn summary(&self, ar: &Totals) -> serde_json::Value {
+        serde_json::json!({
+            "tokens_per_second": self.tokens_per_second(),
+            "speedup": self.tokens_per_second() / ar.tokens_per_second(),
+            "mean_accepted": self.tokens as f64 / self.rounds.max(1) as f64,
+            "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds,
+            "divergences": self.divergences, "tokens": self.tokens, "runs": self.runs,
+            "accepted_histogram": self.accepted_histogram,
+        })
+    }
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let text = std::fs::read_to_string(&args.questions)
+        .with_context(|| format!("{}", args.questions.display()))?;
+    let all: Vec<Question> = text
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    let mut per_cat: BTreeMap<String, usize> = BTreeMap::new();
+    let questions: Vec<&Question> = all
+        .iter()
+        .filter(|q| {
+            let n = per_cat.entry(q.category.clone()).or_default();
+            *n += 1;
+            *n <= args.per_category
+        })
+        .collect();
+    let device = args.device.device()?;
+    let path = fetch::resolve_model(args.model.as_deref())?;
+    let lm = LoadedModel::load(
+        &path,
+        &device,
+        &LoadOptions {
+            dtype: WeightDType::F32,
+            context_length: Some(4096),
+        },
+    )?;
+    let methods: Vec<Method> = args
+        .methods
+        .iter()
+        .map(|m| parse_method(m, 1))
+        .collect::<Result<_>>()?;
+    let head = NormHead::new();
+    // One generator per method, alive for the whole run, so learning policies carry over.
+    let mut generators: Vec<Generator<'_, Llama, NormHead>> = methods
+        .iter()
+        .map(|m| {
+            Generator::new(&lm.model)
+                .with_head(&head)
+                .with_policy(m.policy.clone())
+        })
+        .collect();
+    let mut ar_gen = Generator::new(&lm.model);
+    let eos: Vec<u32> = lm.tokenizer.eos_token_id().into_iter().collect();
+
+    let bar = ProgressBar::new((questions.len() * (methods.len() + 1)) as u64);
+    bar.set_style(ProgressStyle::with_template(
+        "{bar:40} {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]",
+    )?);
+    // totals[method][category]; method 0 is AR.
+    let mut totals: Vec<BTreeMap<String, Totals>> = vec![BTreeMap::new(); methods.len() + 1];
+    for q in &questions {
+        let prompt = lm.chat_prompt(&q.turns[0])?;
+        let base = GenerationConfig {
+            max_new_tokens: args.max_new_tokens,
+            stop_tokens: eos.clone(),
+            ..Default::default()
+        };
+        bar.set_message(format!("q{} {} ar", q.question_id, q.category));
+        let ar = ar_gen.generate(&prompt, &base, |_| ControlFlow::Continue(()))?;
+        bar.inc(1);
+        for t in [&q.category, "overall"] {
+            totals[0].entry(t.to_string()).or_default().add(&ar, false);
+        }
+        for (i, (m, g)) in methods.iter().zip(generators.iter_mut()).enumerate() {
+            bar.set_message(format!("q{} {} {}", q.question_id, q.category, m.name));
+            let config = GenerationConfig {
+                mode: Mode::Eesd,
+                exit_layer: Some(m.exit_layer),
+                ..base.clone()
+            };
+            let out = g.generate(&prompt, &config, |_| ControlFlow::Continue(()))?;
+            let diverged = out.tokens != ar.tokens;
+            if diverged {
+                bar.println(format!(
+                    "DIVERGENCE: question {} with {}",
+                    q.question_id, m.name
+                ));
+            }
+            for t in [&q.category, "overall"] {
+                totals[i + 1]
+                    .entry(t.to_string())
+                    .or_default()
+                    .add(&out, diverged);
+            }
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+
+    let names: Vec<String> = std::iter::once("ar".to_string())
+        .chain(methods.iter().map(|m| m.name.clone()))
+        .collect();
+    let mut per_method = serde_json::Map::new();
+    for (name, t) in names.iter().zip(&totals) {
+        let cats: serde_json::Map<String, serde_json::Value> = t
+            .iter()
+            .map(|(c, v)| (c.clone(), v.summary(&totals[0][c])))
+            .collect();
+        per_method.insert(name.clone(), cats.into());
+    }
+    let best = names[1..].iter().zip(&totals[1..]).max_by(|a, b| {
+        a.1["overall"]
+            .tokens_per_second()
+            .total_cmp(&b.1["overall"].tokens_per_second())
+    });
+    let divergences: usize = totals.iter().map(|t| t["overall"].divergences).sum();
+    let overall = match best {
+        Some((name, t)) => {
+            let mut s = t["overall"].summary(&totals[0]["overall"]);
+            s["method"] = name.clone().into();
+            s["divergences"] = divergences.into();
+            s
+        }
+        None => totals[0]["overall"].summary(&totals[0]["overall"]),
+    };
+    let report = serde_json::json!({
+        "model": path.display().to_string(), "device": args.device.name(), "questions": questions.len(),
+        "max_new_tokens": args.max_new_tokens, "overall": overall, "methods": per_method,
+    });
+
+    let mut table = String::from(
+        "| method | category | tokens/s | speedup | mean accepted | divergences |\n|---|---|---|---|---|---|\n",
+    );
+    for (name, t) in names.iter().zip(&totals) {
+        for (cat, v) in t {
+            let ar = &totals[0][cat];
+            table += &format!(
+                "| {name} | {cat} | {:.1} | {:.2}x | {:.2} | {} |\n",
+                v.tokens_per_second(),
+                v.tokens_per_second() / ar.tokens_per_second(),
+                v.tokens as f64 / v.rounds.max(1) as f64,
+                v.divergences
+            );
+        }
+    }
+    if let Some(dir) = &args.out {
+        std::fs::create_dir_all(dir)?;
+        std::fs::write(dir.join("results.md"), &table)?;
+        std::fs::write(
+            dir.join("results.json"),
+            serde_json::to_string_pretty(&report)?,
+        )?;
+    }
+    if args.json {
+        println!("{report}");
+    } else {
+        println!("{table}");
+        println!("divergences from AR: {divergences}");
+    }
+    Ok(())
+}
