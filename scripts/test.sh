@@ -14,5 +14,8 @@ if [ "${EESD_SKIP_TCH:-0}" != 1 ]; then
   bash scripts/setup-libtorch.sh third_party/libtorch
   export LIBTORCH="$PWD/third_party/libtorch" LIBTORCH_CXX11_ABI=1
   export LD_LIBRARY_PATH="$PWD/third_party/libtorch/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  EESD_TEST_BACKEND=tch cargo test --release --features tch -p eesd-models
+  # Reference logits/greedy, loading and tiny-model EESD tests on LibTorch (the long
+  # Spec-Bench identity test runs once, on flex, above).
+  EESD_TEST_BACKEND=tch cargo test --release --features tch -p eesd-models \
+    --test golden --test loading --test eesd_tiny
 fi
