@@ -244,6 +244,11 @@ impl LayerHead {
         &self.weights
     }
 
+    /// Takes the trainable weights out (for training).
+    pub fn into_weights(self) -> LayerHeadWeights {
+        self.weights
+    }
+
     /// The vocabulary subset, if any.
     pub fn token_ids(&self) -> Option<&[u32]> {
         self.projection.ids.as_deref().map(Vec::as_slice)

@@ -1,1 +1,14 @@
-//! eesd-train
+//! Self-distillation of early-exit heads from the frozen full model.
+//!
+//! - [`checkpoint`]: trained head weights (safetensors) with JSON metadata that binds them to a
+//!   base model (file SHA-256), an exit layer and a vocabulary subset.
+//! - [`distill`]: the training loop (KL to the frozen model, AdamW, warm-up + cosine) and
+//!   held-out evaluation (top-1 agreement, expected accepted tokens per round).
+
+pub mod checkpoint;
+pub mod distill;
+pub mod error;
+
+pub use checkpoint::{HeadMetadata, file_sha256, load_layer_head, read_metadata, save_layer_head};
+pub use distill::{DistillConfig, Distiller, EvalMetrics};
+pub use error::{Result, TrainError};

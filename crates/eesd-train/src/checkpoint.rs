@@ -1,0 +1,238 @@
+//! Head checkpoints: the trained weights (safetensors, f16 or f32) beside JSON metadata that ties
+//! them to one base model (file SHA-256), one exit layer and one vocabulary subset.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use burn::module::Param;
+use burn::tensor::{Tensor, TensorData};
+use eesd_models::{DecoderLayer, LayerHead, LayerHeadWeights, Llama, VocabSubset};
+use safetensors::{Dtype, SafeTensors};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::error::{Result, TrainError};
+
+/// Version of the checkpoint layout.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// What a head checkpoint is for, and how it was made.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HeadMetadata {
+    /// Layout version ([`FORMAT_VERSION`]).
+    pub format_version: u32,
+    /// Head kind (`layer`).
+    pub head_kind: String,
+    /// SHA-256 of the base model file the head was trained on.
+    pub base_model_sha256: String,
+    /// File name of the base model (informative).
+    pub base_model_name: String,
+    /// Exit layer N.
+    pub exit_layer: usize,
+    /// Width of the residual stream (checked at load).
+    pub hidden_size: usize,
+    /// Draft vocabulary subset (token ids), if reduced.
+    pub vocab_subset: Option<Vec<u32>>,
+    /// The training configuration, as JSON.
+    pub training: serde_json::Value,
+    /// Evaluation metrics, as JSON.
+    pub metrics: serde_json::Value,
+}
+
+/// SHA-256 of a file, hex-encoded.
+pub fn file_sha256(path: &Path) -> Result<String> {
+    let mut file = std::fs::File::open(path).map_err(|e| TrainError::io(path, e))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf).map_err(|e| TrainError::io(path, e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
+
+/// The two files of a checkpoint `PREFIX`: `PREFIX.safetensors` and `PREFIX.json`.
+pub fn checkpoint_paths(prefix: &Path) -> (PathBuf, PathBuf) {
+    (
+        prefix.with_extension("safetensors"),
+        prefix.with_extension("json"),
+    )
+}
+
+fn tensors_of(w: &LayerHeadWeights) -> Vec<(&'static str, Tensor<2>)> {
+    let l = &w.layer;
+    let row = |t: Tensor<1>| t.unsqueeze_dim::<2>(0);
+    vec![
+        ("layer.attn_norm", row(l.attn_norm.val())),
+        ("layer.wqkv", l.wqkv.val()),
+        ("layer.wo", l.wo.val()),
+        ("layer.mlp_norm", row(l.mlp_norm.val())),
+        ("layer.w_gate_up", l.w_gate_up.val()),
+        ("layer.w_down", l.w_down.val()),
+        ("norm", row(w.norm.val())),
+    ]
+}
+
+/// Saves a head's weights (`f16 = true`: half precision, half the size) and metadata.
+pub fn save_layer_head(
+    prefix: &Path,
+    head: &LayerHead,
+    metadata: &HeadMetadata,
+    f16: bool,
+) -> Result<()> {
+    let (st_path, json_path) = checkpoint_paths(prefix);
+    let malformed = |reason: String| TrainError::Malformed {
+        path: st_path.clone(),
+        reason,
+    };
+    let mut buffers: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, t) in tensors_of(head.weights()) {
+        let shape = t.dims().to_vec();
+        let values = t
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .map_err(|e| malformed(format!("{e:?}")))?;
+        let bytes = if f16 {
+            values
+                .iter()
+                .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+                .collect()
+        } else {
+            values.iter().flat_map(|v| v.to_le_bytes()).collect()
+        };
+        buffers.push((name.to_string(), shape, bytes));
+    }
+    let dtype = if f16 { Dtype::F16 } else { Dtype::F32 };
+    let views = buffers
+        .iter()
+        .map(|(n, s, b)| {
+            safetensors::tensor::TensorView::new(dtype, s.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| malformed(e.to_string()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    safetensors::serialize_to_file(views, None, &st_path).map_err(|e| malformed(e.to_string()))?;
+    let json = serde_json::to_string_pretty(metadata).map_err(|e| malformed(e.to_string()))?;
+    std::fs::write(&json_path, json).map_err(|e| TrainError::io(&json_path, e))
+}
+
+/// Reads a checkpoint's metadata.
+pub fn read_metadata(prefix: &Path) -> Result<HeadMetadata> {
+    let (_, json_path) = checkpoint_paths(prefix);
+    let text = std::fs::read_to_string(&json_path).map_err(|e| TrainError::io(&json_path, e))?;
+    serde_json::from_str(&text).map_err(|e| TrainError::Malformed {
+        path: json_path,
+        reason: e.to_string(),
+    })
+}
+
+/// Loads a [`LayerHead`] for `model`, refusing a checkpoint made for another base model (by
+/// file hash, when `base_sha256` is given), architecture width or layer count.
+pub fn load_layer_head(
+    prefix: &Path,
+    model: &Llama,
+    base_sha256: Option<&str>,
+) -> Result<(LayerHead, HeadMetadata)> {
+    let meta = read_metadata(prefix)?;
+    if meta.format_version != FORMAT_VERSION || meta.head_kind != "layer" {
+        return Err(TrainError::Mismatch(format!(
+            "checkpoint is a `{}` head of format {}, expected a `layer` head of format {FORMAT_VERSION}",
+            meta.head_kind, meta.format_version
+        )));
+    }
+    if let Some(sha) = base_sha256
+        && sha != meta.base_model_sha256
+    {
+        return Err(TrainError::Mismatch(format!(
+            "trained on base model {} (sha256 {}), this model's sha256 is {sha}",
+            meta.base_model_name, meta.base_model_sha256
+        )));
+    }
+    let c = model.config();
+    if meta.hidden_size != c.hidden_size || meta.exit_layer == 0 || meta.exit_layer >= c.num_layers
+    {
+        return Err(TrainError::Mismatch(format!(
+            "head for hidden size {} at layer {}, model has hidden size {} and {} layers",
+            meta.hidden_size, meta.exit_layer, c.hidden_size, c.num_layers
+        )));
+    }
+    let (st_path, _) = checkpoint_paths(prefix);
+    let bytes = std::fs::read(&st_path).map_err(|e| TrainError::io(&st_path, e))?;
+    let malformed = |reason: String| TrainError::Malformed {
+        path: st_path.clone(),
+        reason,
+    };
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| malformed(e.to_string()))?;
+    let template = &model.layers()[meta.exit_layer];
+    let expected: BTreeMap<&str, Vec<usize>> = tensors_of(&LayerHeadWeights {
+        layer: template.clone(),
+        norm: Param::from_tensor(model.final_norm().clone()),
+    })
+    .into_iter()
+    .map(|(n, t)| (n, t.dims().to_vec()))
+    .collect();
+    let device = model.device();
+    let read = |name: &str| -> Result<Tensor<2>> {
+        let view = st
+            .tensor(name)
+            .map_err(|_| malformed(format!("missing tensor `{name}`")))?;
+        if view.shape() != expected[name].as_slice() {
+            return Err(TrainError::Mismatch(format!(
+                "tensor `{name}` has shape {:?}, this model needs {:?}",
+                view.shape(),
+                expected[name]
+            )));
+        }
+        let values: Vec<f32> = match view.dtype() {
+            Dtype::F32 => view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Dtype::F16 => view
+                .data()
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            other => {
+                return Err(malformed(format!(
+                    "tensor `{name}` has unsupported dtype {other:?}"
+                )));
+            }
+        };
+        let shape = [view.shape()[0], view.shape()[1]];
+        Ok(Tensor::from_data(TensorData::new(values, shape), device))
+    };
+    let flat = |t: Tensor<2>| t.reshape([-1]);
+    let layer = DecoderLayer {
+        attn_norm: Param::from_tensor(flat(read("layer.attn_norm")?)),
+        wqkv: Param::from_tensor(read("layer.wqkv")?),
+        wo: Param::from_tensor(read("layer.wo")?),
+        mlp_norm: Param::from_tensor(flat(read("layer.mlp_norm")?)),
+        w_gate_up: Param::from_tensor(read("layer.w_gate_up")?),
+        w_down: Param::from_tensor(read("layer.w_down")?),
+        ..template.clone()
+    };
+    let weights = LayerHeadWeights {
+        layer,
+        norm: Param::from_tensor(flat(read("norm")?)),
+    };
+    let subset = meta
+        .vocab_subset
+        .clone()
+        .map(|ids| VocabSubset::new(ids, c.vocab_size))
+        .transpose()?;
+    Ok((
+        LayerHead::from_weights(model, meta.exit_layer, weights, subset.as_ref()),
+        meta,
+    ))
+}

@@ -1,0 +1,285 @@
+//! Self-distillation: train an exit head to predict what the frozen full model predicts.
+//!
+//! Per position the student is the head on the frozen layer-N hidden state, the teacher the full
+//! model's next-token distribution; the loss is KL(teacher ‖ student). With a vocabulary subset
+//! the teacher is renormalised over the subset (the student has no mass elsewhere). The backbone
+//! runs on the plain device (no autodiff graph, no gradients); only the head's weights live on
+//! the autodiff device and are updated, by AdamW with linear warm-up, cosine decay and gradient
+//! norm clipping.
+
+use burn::module::Module;
+use burn::optim::grad_clipping::GradientClippingConfig;
+use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use eesd_models::layer::{AttentionContext, linear, rms_norm};
+use eesd_models::rope::Rope;
+use eesd_models::{LayerHead, LayerHeadWeights, Llama, VocabSubset};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, TrainError};
+
+/// Hyper-parameters of self-distillation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DistillConfig {
+    /// Peak learning rate.
+    pub learning_rate: f64,
+    /// Linear warm-up steps.
+    pub warmup_steps: usize,
+    /// Total optimisation steps (the cosine schedule ends here).
+    pub total_steps: usize,
+    /// AdamW weight decay.
+    pub weight_decay: f32,
+    /// Gradient clipping by global norm.
+    pub grad_clip_norm: f32,
+}
+
+impl Default for DistillConfig {
+    fn default() -> Self {
+        DistillConfig {
+            learning_rate: 3e-4,
+            warmup_steps: 20,
+            total_steps: 400,
+            weight_decay: 0.01,
+            grad_clip_norm: 1.0,
+        }
+    }
+}
+
+impl DistillConfig {
+    /// Checks ranges.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.learning_rate > 0.0 && self.learning_rate.is_finite()) || self.total_steps == 0 {
+            return Err(TrainError::InvalidConfig(format!(
+                "learning rate {} and total steps {} must be positive",
+                self.learning_rate, self.total_steps
+            )));
+        }
+        Ok(())
+    }
+
+    /// Learning rate at `step`: linear warm-up, then cosine decay to 10% of the peak.
+    pub fn learning_rate_at(&self, step: usize) -> f64 {
+        if step < self.warmup_steps {
+            return self.learning_rate * (step + 1) as f64 / self.warmup_steps as f64;
+        }
+        let span = self.total_steps.saturating_sub(self.warmup_steps).max(1);
+        let progress = ((step - self.warmup_steps) as f64 / span as f64).min(1.0);
+        self.learning_rate * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()))
+    }
+}
+
+/// Held-out quality of a head.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EvalMetrics {
+    /// Mean KL(teacher ‖ student) per position (nats).
+    pub kl: f64,
+    /// Fraction of positions where the head's argmax equals the full model's.
+    pub top1_agreement: f64,
+    /// Expected tokens per verification round when drafting `k` tokens greedily: 1 + the run of
+    /// consecutive agreements from each position, capped at `k`.
+    pub expected_accepted: f64,
+    /// The `k` used for `expected_accepted`.
+    pub k: usize,
+    /// Positions evaluated.
+    pub positions: usize,
+}
+
+/// Teacher outputs for one sequence, on the plain device.
+struct Teacher {
+    /// Layer-N hidden states `[t, hidden]`.
+    hidden: Tensor<2>,
+    /// Teacher log-probabilities over the draft vocabulary `[t, n]`.
+    log_probs: Tensor<2>,
+    /// The full model's argmax at each position.
+    argmax: Vec<u32>,
+}
+
+/// Trains a [`LayerHead`] by self-distillation.
+pub struct Distiller<'m> {
+    model: &'m Llama,
+    exit_layer: usize,
+    subset: Option<VocabSubset>,
+    weights: LayerHeadWeights,
+    optim: ModuleOptimizer,
+    config: DistillConfig,
+    step: usize,
+    train_device: Device,
+    rope: Rope,
+    projection: Tensor<2>,
+    subset_ids: Option<Tensor<1, Int>>,
+}
+
+impl<'m> Distiller<'m> {
+    /// Starts from `head` (e.g. [`LayerHead::from_model`]) for `model`.
+    pub fn new(model: &'m Llama, head: LayerHead, config: DistillConfig) -> Result<Self> {
+        config.validate()?;
+        let exit_layer = eesd_core::DraftHead::exit_layer(&head)
+            .ok_or_else(|| TrainError::InvalidConfig("a layer head has an exit layer".into()))?;
+        let subset = head
+            .token_ids()
+            .map(|ids| VocabSubset::new(ids.to_vec(), model.config().vocab_size))
+            .transpose()?;
+        let train_device = model.device().clone().autodiff();
+        let rope = Rope::new(model.config(), &train_device);
+        let lm_head = model.lm_head().clone();
+        let subset_ids = subset.as_ref().map(|s| {
+            let ids: Vec<i32> = s.ids().iter().map(|&i| i as i32).collect();
+            Tensor::<1, Int>::from_data(TensorData::new(ids, [s.len()]), model.device())
+        });
+        let projection = match &subset_ids {
+            Some(ids) => lm_head.select(0, ids.clone()),
+            None => lm_head,
+        }
+        .to_device(&train_device);
+        let optim = AdamWConfig::new()
+            .with_weight_decay(config.weight_decay)
+            .with_grad_clipping(Some(GradientClippingConfig::Norm(config.grad_clip_norm)))
+            .init();
+        let weights = head.into_weights().fork(&train_device).train();
+        Ok(Distiller {
+            model,
+            exit_layer,
+            subset,
+            weights,
+            optim,
+            config,
+            step: 0,
+            train_device,
+            rope,
+            projection,
+            subset_ids,
+        })
+    }
+
+    /// Steps taken so far.
+    pub fn step(&self) -> usize {
+        self.step
+    }
+
+    fn teacher(&self, tokens: &[u32]) -> Result<Teacher> {
+        let m = self.model;
+        let mut cache = m.new_cache();
+        let hidden = m.forward_layers(m.embed(tokens)?, 0..self.exit_layer, &mut cache)?;
+        let top = m.forward_layers(hidden.clone(), self.exit_layer..m.num_layers(), &mut cache)?;
+        let logits = m.logits(top);
+        let argmax = logits
+            .clone()
+            .argmax(1)
+            .into_data()
+            .convert::<i64>()
+            .try_into_vec::<i64>()
+            .map_err(|e| TrainError::InvalidConfig(format!("{e:?}")))?
+            .into_iter()
+            .map(|v| v as u32)
+            .collect();
+        let logits = match &self.subset_ids {
+            Some(ids) => logits.select(1, ids.clone()),
+            None => logits,
+        };
+        Ok(Teacher {
+            hidden,
+            log_probs: log_softmax(logits, 1),
+            argmax,
+        })
+    }
+
+    /// Student log-probabilities `[t, n]` on the training device.
+    fn student(&self, hidden: Tensor<2>) -> Result<Tensor<2>> {
+        let c = self.model.config();
+        let t = hidden.dims()[0];
+        let ctx = AttentionContext::new(
+            &self.rope,
+            0,
+            t,
+            c.num_kv_heads,
+            c.num_heads / c.num_kv_heads,
+        );
+        let h = self
+            .weights
+            .layer
+            .forward(hidden, &self.rope, &ctx, None, c.context_length)?;
+        let h = rms_norm(h, self.weights.norm.val(), c.rms_norm_eps);
+        Ok(log_softmax(linear(h, self.projection.clone()), 1))
+    }
+
+    fn kl(teacher: Tensor<2>, student: Tensor<2>) -> Tensor<1> {
+        let t = teacher.dims()[0] as f64;
+        (teacher.clone().exp() * (teacher - student))
+            .sum()
+            .div_scalar(t)
+    }
+
+    /// One optimisation step on one sequence (a packed run of tokens); returns the loss.
+    pub fn train_step(&mut self, tokens: &[u32]) -> Result<f64> {
+        if tokens.len() < 2 {
+            return Err(TrainError::InvalidConfig(
+                "a training sequence needs at least 2 tokens".into(),
+            ));
+        }
+        let teacher = self.teacher(tokens)?;
+        let hidden = teacher.hidden.to_device(&self.train_device);
+        let target = teacher.log_probs.to_device(&self.train_device);
+        let loss = Self::kl(target, self.student(hidden)?);
+        let value = loss.clone().into_scalar::<f32>() as f64;
+        let grads = GradientsParams::from_grads(loss.backward(), &self.weights);
+        let lr = self.config.learning_rate_at(self.step);
+        // Param values are shared handles: the clone is cheap, and step() returns the update.
+        self.weights = self.optim.step(lr, self.weights.clone(), grads);
+        self.step += 1;
+        Ok(value)
+    }
+
+    /// KL, top-1 agreement and expected accepted tokens at draft length `k` on held-out sequences.
+    pub fn evaluate(&self, sequences: &[Vec<u32>], k: usize) -> Result<EvalMetrics> {
+        let (mut kl, mut agree, mut accepted, mut positions) = (0.0, 0usize, 0.0, 0usize);
+        for seq in sequences.iter().filter(|s| s.len() >= 2) {
+            let teacher = self.teacher(seq)?;
+            let student = self
+                .student(teacher.hidden.clone().to_device(&self.train_device))?
+                .detach();
+            let t = seq.len();
+            kl += Self::kl(
+                teacher.log_probs.to_device(&self.train_device),
+                student.clone(),
+            )
+            .into_scalar::<f32>() as f64
+                * t as f64;
+            let picks = student
+                .argmax(1)
+                .into_data()
+                .convert::<i64>()
+                .try_into_vec::<i64>()
+                .map_err(|e| TrainError::InvalidConfig(format!("{e:?}")))?;
+            let ok: Vec<bool> = picks
+                .iter()
+                .zip(&teacher.argmax)
+                .map(|(&p, &a)| {
+                    self.subset
+                        .as_ref()
+                        .map_or(p as u32, |s| s.ids()[p as usize])
+                        == a
+                })
+                .collect();
+            agree += ok.iter().filter(|&&b| b).count();
+            for s in 0..t {
+                accepted += 1.0 + ok[s..].iter().take(k).take_while(|&&b| b).count() as f64;
+            }
+            positions += t;
+        }
+        let n = positions.max(1) as f64;
+        Ok(EvalMetrics {
+            kl: kl / n,
+            top1_agreement: agree as f64 / n,
+            expected_accepted: accepted / n,
+            k,
+            positions,
+        })
+    }
+
+    /// The trained head, back on the model's device.
+    pub fn into_head(self) -> LayerHead {
+        let weights = self.weights.to_device(self.model.device());
+        LayerHead::from_weights(self.model, self.exit_layer, weights, self.subset.as_ref())
+    }
+}

@@ -1,0 +1,46 @@
+//! Errors of head training and checkpoints.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong while training, saving or loading a head.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TrainError {
+    /// File I/O failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A checkpoint file that cannot be parsed.
+    #[error("malformed checkpoint {path}: {reason}")]
+    Malformed {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A checkpoint made for another base model, layer or architecture.
+    #[error("checkpoint does not fit this model: {0}")]
+    Mismatch(String),
+    /// A training setting out of range.
+    #[error("invalid training config: {0}")]
+    InvalidConfig(String),
+    /// The model failed.
+    #[error(transparent)]
+    Model(#[from] eesd_models::ModelError),
+}
+
+/// Result alias of this crate.
+pub type Result<T, E = TrainError> = std::result::Result<T, E>;
+
+impl TrainError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        TrainError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,256 @@
+//! Self-distillation and head checkpoints on a tiny random LLaMA.
+
+use std::ops::ControlFlow;
+
+use burn::tensor::Tensor;
+use eesd_bandit::Policy;
+use eesd_core::{Backend, DraftHead, GenerationConfig, Generator, Mode};
+use eesd_models::testing::{tiny_config, tiny_gguf_bytes};
+use eesd_models::{LayerHead, Llama, LoadOptions, LoadedModel, VocabSubset};
+use eesd_train::checkpoint::FORMAT_VERSION;
+use eesd_train::{
+    DistillConfig, Distiller, HeadMetadata, TrainError, load_layer_head, save_layer_head,
+};
+
+fn tiny(seed: u64) -> Llama {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    std::fs::write(&path, tiny_gguf_bytes(&tiny_config(), seed)).unwrap();
+    let device = Backend::default_compiled().unwrap().device().unwrap();
+    LoadedModel::load(&path, &device, &LoadOptions::default())
+        .unwrap()
+        .model
+}
+
+/// Sequences the model writes itself (greedy), from varied short prompts.
+fn self_generated(model: &Llama, n: usize, len: usize) -> Vec<Vec<u32>> {
+    let mut g = Generator::new(model);
+    (0..n as u32)
+        .map(|i| {
+            let prompt = vec![257, 65 + i % 26, 97 + (i * 7) % 26, 48 + i % 10];
+            let config = GenerationConfig {
+                max_new_tokens: len,
+                ..Default::default()
+            };
+            let out = g
+                .generate(&prompt, &config, |_| ControlFlow::Continue(()))
+                .unwrap();
+            prompt.into_iter().chain(out.tokens).collect()
+        })
+        .collect()
+}
+
+#[test]
+fn distillation_lowers_the_held_out_kl() {
+    let model = tiny(21);
+    let data = self_generated(&model, 40, 20);
+    let (train, held_out) = data.split_at(32);
+    // A deliberately poor start: layer 3's weights used as the exit head of layer 1.
+    let head = LayerHead::from_model(&model, 1, 3, None).unwrap();
+    let config = DistillConfig {
+        learning_rate: 3e-3,
+        warmup_steps: 5,
+        total_steps: 96,
+        ..Default::default()
+    };
+    let mut d = Distiller::new(&model, head, config).unwrap();
+    let before = d.evaluate(held_out, 4).unwrap();
+    for step in 0..96 {
+        d.train_step(&train[step % train.len()]).unwrap();
+    }
+    let after = d.evaluate(held_out, 4).unwrap();
+    assert!(
+        after.kl < 0.7 * before.kl,
+        "held-out KL {} -> {}",
+        before.kl,
+        after.kl
+    );
+    assert!(
+        after.top1_agreement >= before.top1_agreement,
+        "{before:?} -> {after:?}"
+    );
+    assert!(after.expected_accepted >= 1.0 && after.expected_accepted <= 5.0);
+}
+
+fn metadata(model: &Llama, exit: usize, subset: Option<Vec<u32>>) -> HeadMetadata {
+    HeadMetadata {
+        format_version: FORMAT_VERSION,
+        head_kind: "layer".into(),
+        base_model_sha256: "abc".into(),
+        base_model_name: "tiny.gguf".into(),
+        exit_layer: exit,
+        hidden_size: model.config().hidden_size,
+        vocab_subset: subset,
+        training: serde_json::json!({}),
+        metrics: serde_json::json!({}),
+    }
+}
+
+fn draft(model: &Llama, head: &LayerHead, tokens: &[u32]) -> Vec<f32> {
+    let mut cache = model.new_cache();
+    let h = model
+        .forward_layers(model.embed(tokens).unwrap(), 0..2, &mut cache)
+        .unwrap();
+    let mut hc = head.new_cache(model);
+    let logits: Tensor<2> = head.draft_logits(model, h, &mut hc).unwrap().logits;
+    logits
+        .into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .unwrap()
+}
+
+#[test]
+fn checkpoints_round_trip_and_refuse_other_models() {
+    let model = tiny(22);
+    let subset = VocabSubset::new((0..100).collect(), 259).unwrap();
+    let mut d = Distiller::new(
+        &model,
+        LayerHead::from_model(&model, 2, 2, Some(&subset)).unwrap(),
+        DistillConfig::default(),
+    )
+    .unwrap();
+    d.train_step(&[257, 72, 101, 108, 108, 111]).unwrap();
+    let head = d.into_head();
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = dir.path().join("head");
+    let tokens = [257, 80, 81, 82, 83];
+    let reference = draft(&model, &head, &tokens);
+
+    save_layer_head(
+        &prefix,
+        &head,
+        &metadata(&model, 2, Some((0..100).collect())),
+        false,
+    )
+    .unwrap();
+    let (loaded, meta) = load_layer_head(&prefix, &model, Some("abc")).unwrap();
+    assert_eq!(meta.exit_layer, 2);
+    // f32 checkpoints restore the weights bit for bit; the logits may differ in the last bits
+    // only because a fresh tensor's memory layout can change the kernel's summation order.
+    let bits = |h: &LayerHead| {
+        h.weights()
+            .layer
+            .w_gate_up
+            .val()
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .unwrap()
+    };
+    assert_eq!(bits(&loaded), bits(&head), "f32 checkpoints are exact");
+    let diff = draft(&model, &loaded, &tokens)
+        .iter()
+        .zip(&reference)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(diff < 1e-4, "f32 checkpoint logits differ by {diff}");
+
+    save_layer_head(
+        &prefix,
+        &head,
+        &metadata(&model, 2, Some((0..100).collect())),
+        true,
+    )
+    .unwrap();
+    let (loaded, _) = load_layer_head(&prefix, &model, None).unwrap();
+    let diff = draft(&model, &loaded, &tokens)
+        .iter()
+        .zip(&reference)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(diff < 0.05, "f16 checkpoint differs by {diff}");
+
+    // Another base model, another layer count, a broken file: typed errors.
+    assert!(matches!(
+        load_layer_head(&prefix, &model, Some("def")),
+        Err(TrainError::Mismatch(_))
+    ));
+    save_layer_head(&prefix, &head, &metadata(&model, 7, None), true).unwrap();
+    assert!(matches!(
+        load_layer_head(&prefix, &model, None),
+        Err(TrainError::Mismatch(_))
+    ));
+    save_layer_head(&prefix, &head, &metadata(&model, 2, None), true).unwrap();
+    let st = prefix.with_extension("safetensors");
+    let bytes = std::fs::read(&st).unwrap();
+    std::fs::write(&st, &bytes[..bytes.len() / 3]).unwrap();
+    assert!(matches!(
+        load_layer_head(&prefix, &model, None),
+        Err(TrainError::Malformed { .. })
+    ));
+    std::fs::write(prefix.with_extension("json"), "{").unwrap();
+    assert!(matches!(
+        load_layer_head(&prefix, &model, None),
+        Err(TrainError::Malformed { .. })
+    ));
+    assert!(matches!(
+        load_layer_head(&dir.path().join("none"), &model, None),
+        Err(TrainError::Io { .. })
+    ));
+}
+
+#[test]
+fn a_trained_reduced_vocabulary_head_keeps_eesd_lossless() {
+    let model = tiny(23);
+    let data = self_generated(&model, 12, 16);
+    let subset = VocabSubset::new((0..259).step_by(3).collect(), 259).unwrap();
+    let head = LayerHead::from_model(&model, 2, 2, Some(&subset)).unwrap();
+    let mut d = Distiller::new(
+        &model,
+        head,
+        DistillConfig {
+            learning_rate: 2e-3,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    for seq in &data {
+        d.train_step(seq).unwrap();
+    }
+    let head = d.into_head();
+    let prompt = [257, 84, 104, 101];
+    let base = GenerationConfig {
+        max_new_tokens: 40,
+        ..Default::default()
+    };
+    let ar = Generator::new(&model)
+        .generate(&prompt, &base, |_| ControlFlow::Continue(()))
+        .unwrap();
+    for policy in ["fixed:3", "cost-ts"] {
+        let mut g = Generator::new(&model)
+            .with_head(&head)
+            .with_policy(Policy::parse(policy, 1).unwrap());
+        let config = GenerationConfig {
+            mode: Mode::Eesd,
+            ..base.clone()
+        };
+        let out = g
+            .generate(&prompt, &config, |_| ControlFlow::Continue(()))
+            .unwrap();
+        assert_eq!(out.tokens, ar.tokens, "{policy}");
+    }
+}
+
+#[test]
+fn schedule_warms_up_then_decays() {
+    let c = DistillConfig {
+        learning_rate: 1.0,
+        warmup_steps: 10,
+        total_steps: 110,
+        ..Default::default()
+    };
+    assert!((c.learning_rate_at(0) - 0.1).abs() < 1e-9);
+    assert!((c.learning_rate_at(9) - 1.0).abs() < 1e-9);
+    assert!((c.learning_rate_at(10) - 1.0).abs() < 1e-9);
+    assert!((c.learning_rate_at(110) - 0.1).abs() < 1e-9);
+    assert!(c.learning_rate_at(60) < 0.6 && c.learning_rate_at(60) > 0.5);
+    assert!(
+        DistillConfig {
+            total_steps: 0,
+            ..c
+        }
+        .validate()
+        .is_err()
+    );
+}
