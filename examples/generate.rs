@@ -13,7 +13,8 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use eesd::bandit::Policy;
 use eesd::core::{Backend, GenerationConfig, GenerationOutput, Generator, Mode, SamplingParams};
-use eesd::models::{LoadOptions, LoadedModel, NormHead, TextStream, WeightDType, fetch};
+use eesd::models::{AnyHead, LoadOptions, LoadedModel, NormHead, TextStream, WeightDType, fetch};
+use eesd::train::{file_sha256, load_layer_head};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -33,10 +34,11 @@ struct Args {
     /// ar, eesd, or compare (AR then EESD on the same prompt, with the speedup).
     #[arg(long, default_value = "compare")]
     mode: String,
-    /// Exit layer N for EESD.
-    #[arg(long, default_value_t = 8)]
-    exit_layer: usize,
-    /// Exit head: `norm` (the model's own final norm + LM head).
+    /// Exit layer N for EESD (default: the trained head's layer, or 8 with `--head norm`).
+    #[arg(long)]
+    exit_layer: Option<usize>,
+    /// Exit head: `norm` (the model's own final norm + LM head) or the path prefix of a trained
+    /// head checkpoint (`PREFIX.safetensors` + `PREFIX.json`).
     #[arg(long, default_value = "norm")]
     head: String,
     /// Draft-length policy: fixed:K, threshold:T, beta-ts, calibrated-ts or cost-ts.
@@ -106,10 +108,17 @@ fn main() -> Result<()> {
     };
     let lm = LoadedModel::load(&path, &device, &options)
         .with_context(|| format!("loading {}", path.display()))?;
-    if args.head != "norm" {
-        anyhow::bail!("unknown head `{}` (available: norm)", args.head);
-    }
-    let head = NormHead::new();
+    let (head, exit_layer) = if args.head == "norm" {
+        (
+            AnyHead::Norm(NormHead::new()),
+            Some(args.exit_layer.unwrap_or(8)),
+        )
+    } else {
+        let sha = file_sha256(&path)?;
+        let (head, _) = load_layer_head(std::path::Path::new(&args.head), &lm.model, Some(&sha))
+            .with_context(|| format!("loading head {}", args.head))?;
+        (AnyHead::Layer(head), args.exit_layer)
+    };
     let policy = Policy::parse(&args.policy, args.seed)?;
 
     let prompt_ids = match (&args.prompt_ids, &args.prompt) {
@@ -137,7 +146,7 @@ fn main() -> Result<()> {
             },
             seed: args.seed,
             mode,
-            exit_layer: Some(args.exit_layer),
+            exit_layer,
             ..Default::default()
         };
         let mut stream = TextStream::new();

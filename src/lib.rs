@@ -7,8 +7,10 @@
 //! This crate re-exports the workspace crates:
 //! - [`bandit`]: draft-length policies (Thompson Sampling and baselines), pure Rust.
 //! - [`core`]: the generation API, verify/accept and the decoding loop.
-//! - [`models`]: LLaMA, weight loading (GGUF, safetensors), tokenizer, chat template.
+//! - [`models`]: LLaMA, exit heads, weight loading (GGUF, safetensors), tokenizer, chat template.
+//! - [`train`]: self-distillation of exit heads and head checkpoints.
 
 pub use eesd_bandit as bandit;
 pub use eesd_core as core;
 pub use eesd_models as models;
+pub use eesd_train as train;

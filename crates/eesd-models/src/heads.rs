@@ -313,3 +313,78 @@ impl DraftHead<Llama> for LayerHead {
         cache.truncate(len);
     }
 }
+
+/// Any of this crate's heads, chosen at run time (e.g. from a command-line flag).
+#[derive(Debug)]
+pub enum AnyHead {
+    /// [`NormHead`].
+    Norm(NormHead),
+    /// [`LayerHead`].
+    Layer(LayerHead),
+}
+
+/// The state of an [`AnyHead`].
+#[derive(Debug, Clone)]
+pub enum AnyHeadCache {
+    /// Of a [`NormHead`].
+    Norm(usize),
+    /// Of a [`LayerHead`].
+    Layer(LayerCache),
+}
+
+impl DraftHead<Llama> for AnyHead {
+    type Cache = AnyHeadCache;
+
+    fn exit_layer(&self) -> Option<usize> {
+        match self {
+            AnyHead::Norm(h) => h.exit_layer(),
+            AnyHead::Layer(h) => h.exit_layer(),
+        }
+    }
+
+    fn new_cache(&self, model: &Llama) -> AnyHeadCache {
+        match self {
+            AnyHead::Norm(h) => AnyHeadCache::Norm(h.new_cache(model)),
+            AnyHead::Layer(h) => AnyHeadCache::Layer(h.new_cache(model)),
+        }
+    }
+
+    fn draft_logits(
+        &self,
+        model: &Llama,
+        hidden: Tensor<2>,
+        cache: &mut AnyHeadCache,
+    ) -> Result<DraftLogits> {
+        match (self, cache) {
+            (AnyHead::Norm(h), AnyHeadCache::Norm(c)) => h.draft_logits(model, hidden, c),
+            (AnyHead::Layer(h), AnyHeadCache::Layer(c)) => h.draft_logits(model, hidden, c),
+            _ => Err(ModelError::InvalidArgument(
+                "head state of another head kind".into(),
+            )),
+        }
+    }
+
+    fn extend(&self, model: &Llama, hidden: Tensor<2>, cache: &mut AnyHeadCache) -> Result<()> {
+        match (self, cache) {
+            (AnyHead::Norm(h), AnyHeadCache::Norm(c)) => h.extend(model, hidden, c),
+            (AnyHead::Layer(h), AnyHeadCache::Layer(c)) => h.extend(model, hidden, c),
+            _ => Err(ModelError::InvalidArgument(
+                "head state of another head kind".into(),
+            )),
+        }
+    }
+
+    fn cached_len(&self, cache: &AnyHeadCache) -> usize {
+        match cache {
+            AnyHeadCache::Norm(c) => *c,
+            AnyHeadCache::Layer(c) => c.len(),
+        }
+    }
+
+    fn truncate(&self, cache: &mut AnyHeadCache, len: usize) {
+        match cache {
+            AnyHeadCache::Norm(c) => *c = (*c).min(len),
+            AnyHeadCache::Layer(c) => c.truncate(len),
+        }
+    }
+}

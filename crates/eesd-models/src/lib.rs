@@ -28,7 +28,7 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{Llama3RopeScaling, LlamaConfig};
 pub use error::{ModelError, Result};
 pub use gguf::{GgufFile, GgufTensorInfo, GgufValue};
-pub use heads::{LayerHead, LayerHeadWeights, NormHead, VocabSubset};
+pub use heads::{AnyHead, AnyHeadCache, LayerHead, LayerHeadWeights, NormHead, VocabSubset};
 pub use layer::DecoderLayer;
 pub use llama::{Llama, WeightDType};
 pub use loader::{LoadOptions, LoadedModel};

@@ -1,0 +1,218 @@
+//! Trains an EESD exit head for a model by self-distillation, from the model's own answers to
+//! `train_prompts.jsonl` (never the benchmark questions).
+//!
+//! ```text
+//! cargo run --release --example train_exit_head -- --exit-layer 6 --vocab 8192 \
+//!     --prompts ../shared/data/train_prompts.jsonl --num-prompts 300 --steps 600 --out heads/smollm2-l6
+//! ```
+//! Stages, each resumable: (1) the frozen model answers the prompts through its chat template
+//! (greedy; saved as token ids in `OUT.data.jsonl`, appended one answer at a time); (2) the draft
+//! vocabulary = the most frequent tokens of those answers; (3) training with held-out evaluation;
+//! (4) `OUT.safetensors` (f16) + `OUT.json` (metadata: base model SHA-256, layer, vocabulary,
+//! config, metrics).
+
+use std::io::Write;
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use eesd::core::{Backend, GenerationConfig, Generator};
+use eesd::models::{LayerHead, LoadOptions, LoadedModel, VocabSubset, fetch};
+use eesd::train::checkpoint::FORMAT_VERSION;
+use eesd::train::{DistillConfig, Distiller, HeadMetadata, file_sha256, save_layer_head};
+use indicatif::{ProgressBar, ProgressStyle};
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Model file or directory (default: the cached SmolLM2, fetched if absent).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Backend.
+    #[arg(long, default_value = "flex")]
+    device: Backend,
+    /// Exit layer N.
+    #[arg(long, default_value_t = 6)]
+    exit_layer: usize,
+    /// Model layer whose weights initialise the head's layer (default: N).
+    #[arg(long)]
+    init_layer: Option<usize>,
+    /// Draft vocabulary size (0 = full vocabulary).
+    #[arg(long, default_value_t = 8192)]
+    vocab: usize,
+    /// Training prompts (jsonl with a `prompt` field).
+    #[arg(long, default_value = "../shared/data/train_prompts.jsonl")]
+    prompts: PathBuf,
+    /// How many prompts to answer.
+    #[arg(long, default_value_t = 300)]
+    num_prompts: usize,
+    /// Answer length cap.
+    #[arg(long, default_value_t = 128)]
+    answer_tokens: usize,
+    /// Optimisation steps (one sequence per step).
+    #[arg(long, default_value_t = 600)]
+    steps: usize,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 5e-4)]
+    lr: f64,
+    /// Evaluate every this many steps.
+    #[arg(long, default_value_t = 100)]
+    eval_every: usize,
+    /// Output prefix.
+    #[arg(long, default_value = "heads/smollm2-head")]
+    out: PathBuf,
+}
+
+#[derive(serde::Deserialize)]
+struct Prompt {
+    prompt: String,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let started = Instant::now();
+    let path = fetch::resolve_model(args.model.as_deref())?;
+    let device = args.device.device()?;
+    let lm = LoadedModel::load(
+        &path,
+        &device,
+        &LoadOptions {
+            context_length: Some(2048),
+            ..Default::default()
+        },
+    )?;
+    let m = &lm.model;
+    if let Some(dir) = args.out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+
+    // (1) The model's own answers, resumable.
+    let data_path = args.out.with_extension("data.jsonl");
+    let mut data: Vec<Vec<u32>> = match std::fs::read_to_string(&data_path) {
+        Ok(text) => text
+            .lines()
+            .map(serde_json::from_str)
+            .collect::<Result<_, _>>()?,
+        Err(_) => Vec::new(),
+    };
+    let prompts: Vec<Prompt> = std::fs::read_to_string(&args.prompts)
+        .with_context(|| format!("{}", args.prompts.display()))?
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    let wanted = args.num_prompts.min(prompts.len());
+    if data.len() < wanted {
+        let bar = ProgressBar::new(wanted as u64);
+        bar.set_style(ProgressStyle::with_template(
+            "answering {bar:40} {pos}/{len} [{elapsed_precise} < {eta_precise}]",
+        )?);
+        bar.set_position(data.len() as u64);
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&data_path)?;
+        let mut generator = Generator::new(m);
+        let config = GenerationConfig {
+            max_new_tokens: args.answer_tokens,
+            stop_tokens: lm.tokenizer.eos_token_id().into_iter().collect(),
+            ..Default::default()
+        };
+        for p in &prompts[data.len()..wanted] {
+            let mut ids = lm.chat_prompt(&p.prompt)?;
+            ids.truncate(1024);
+            let out = generator.generate(&ids, &config, |_| ControlFlow::Continue(()))?;
+            ids.extend(out.tokens);
+            writeln!(file, "{}", serde_json::to_string(&ids)?)?;
+            data.push(ids);
+            bar.inc(1);
+        }
+        bar.finish();
+    }
+    data.truncate(wanted);
+    let generation_seconds = started.elapsed().as_secs_f64();
+
+    // (2) Draft vocabulary: the most frequent tokens of the data, EOS always included.
+    let mut counts = vec![0u64; m.config().vocab_size];
+    data.iter().flatten().for_each(|&t| counts[t as usize] += 1);
+    let eos: Vec<u32> = lm.tokenizer.eos_token_id().into_iter().collect();
+    let subset = (args.vocab > 0)
+        .then(|| VocabSubset::most_frequent(&counts, args.vocab, &eos))
+        .transpose()?;
+    if let Some(s) = &subset {
+        let covered: u64 = s.ids().iter().map(|&i| counts[i as usize]).sum();
+        eprintln!(
+            "draft vocabulary: {} tokens cover {:.1}% of the data",
+            s.len(),
+            100.0 * covered as f64 / counts.iter().sum::<u64>() as f64
+        );
+    }
+
+    // (3) Train with a held-out tenth.
+    let held = (data.len() / 10).max(1);
+    let (held_out, train) = data.split_at(held);
+    let config = DistillConfig {
+        learning_rate: args.lr,
+        warmup_steps: args.steps / 20,
+        total_steps: args.steps,
+        ..Default::default()
+    };
+    let init = args.init_layer.unwrap_or(args.exit_layer);
+    let head = LayerHead::from_model(m, args.exit_layer, init, subset.as_ref())?;
+    let mut distiller = Distiller::new(m, head, config.clone())?;
+    let k = 4;
+    let before = distiller.evaluate(held_out, k)?;
+    eprintln!("before: {before:?}");
+    let bar = ProgressBar::new(args.steps as u64);
+    bar.set_style(ProgressStyle::with_template(
+        "training {bar:40} {pos}/{len} loss {msg} [{elapsed_precise} < {eta_precise}]",
+    )?);
+    let mut history = Vec::new();
+    let mut running = 0.0;
+    for step in 0..args.steps {
+        let loss = distiller.train_step(&train[step % train.len()])?;
+        running = if step == 0 {
+            loss
+        } else {
+            0.95 * running + 0.05 * loss
+        };
+        bar.set_message(format!("{running:.3}"));
+        bar.inc(1);
+        if (step + 1) % args.eval_every == 0 || step + 1 == args.steps {
+            let metrics = distiller.evaluate(held_out, k)?;
+            bar.println(format!("step {}: {metrics:?}", step + 1));
+            history.push(
+                serde_json::json!({ "step": step + 1, "train_loss": running, "eval": metrics }),
+            );
+        }
+    }
+    bar.finish();
+    let after = distiller.evaluate(held_out, k)?;
+    let head = distiller.into_head();
+
+    // (4) Checkpoint.
+    let meta = HeadMetadata {
+        format_version: FORMAT_VERSION,
+        head_kind: "layer".into(),
+        base_model_sha256: file_sha256(&path)?,
+        base_model_name: path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        exit_layer: args.exit_layer,
+        hidden_size: m.config().hidden_size,
+        vocab_subset: subset.as_ref().map(|s| s.ids().to_vec()),
+        training: serde_json::json!({
+            "distill": config, "init_layer": init, "prompts": args.num_prompts, "sequences": data.len(),
+            "held_out": held, "answer_tokens": args.answer_tokens, "loss": "KL(teacher || student) over the draft vocabulary",
+            "generation_seconds": generation_seconds, "total_seconds": started.elapsed().as_secs_f64(),
+        }),
+        metrics: serde_json::json!({ "before": before, "after": after, "history": history }),
+    };
+    save_layer_head(&args.out, &head, &meta, true)?;
+    println!(
+        "{}",
+        serde_json::json!({ "out": args.out.display().to_string(), "before": before, "after": after, "seconds": started.elapsed().as_secs_f64() })
+    );
+    Ok(())
+}
