@@ -117,7 +117,7 @@ fn main() -> Result<()> {
         let sha = file_sha256(&path)?;
         let (head, _) = load_layer_head(std::path::Path::new(&args.head), &lm.model, Some(&sha))
             .with_context(|| format!("loading head {}", args.head))?;
-        (AnyHead::Layer(head), args.exit_layer)
+        (AnyHead::Layer(Box::new(head)), args.exit_layer)
     };
     let policy = Policy::parse(&args.policy, args.seed)?;
 

@@ -320,7 +320,7 @@ pub enum AnyHead {
     /// [`NormHead`].
     Norm(NormHead),
     /// [`LayerHead`].
-    Layer(LayerHead),
+    Layer(Box<LayerHead>),
 }
 
 /// The state of an [`AnyHead`].
@@ -329,7 +329,7 @@ pub enum AnyHeadCache {
     /// Of a [`NormHead`].
     Norm(usize),
     /// Of a [`LayerHead`].
-    Layer(LayerCache),
+    Layer(Box<LayerCache>),
 }
 
 impl DraftHead<Llama> for AnyHead {
@@ -345,7 +345,7 @@ impl DraftHead<Llama> for AnyHead {
     fn new_cache(&self, model: &Llama) -> AnyHeadCache {
         match self {
             AnyHead::Norm(h) => AnyHeadCache::Norm(h.new_cache(model)),
-            AnyHead::Layer(h) => AnyHeadCache::Layer(h.new_cache(model)),
+            AnyHead::Layer(h) => AnyHeadCache::Layer(Box::new(h.new_cache(model))),
         }
     }
 
