@@ -123,7 +123,7 @@ impl Projection {
 /// state (the LayerSkip-style baseline). Works after any layer; needs no training.
 #[derive(Debug, Clone, Default)]
 pub struct NormHead {
-    projection: Option<Projection>,
+    projection: Option<Box<Projection>>,
 }
 
 impl NormHead {
@@ -135,7 +135,7 @@ impl NormHead {
     /// Projects onto `subset` only.
     pub fn with_vocab(model: &Llama, subset: &VocabSubset) -> Self {
         NormHead {
-            projection: Some(Projection::new(model, Some(subset))),
+            projection: Some(Box::new(Projection::new(model, Some(subset)))),
         }
     }
 }
