@@ -9,6 +9,37 @@
 //! - [`core`]: the generation API, verify/accept and the decoding loop.
 //! - [`models`]: LLaMA, exit heads, weight loading (GGUF, safetensors), tokenizer, chat template.
 //! - [`train`]: self-distillation of exit heads and head checkpoints.
+//!
+//! ```no_run
+//! use std::ops::ControlFlow;
+//!
+//! use eesd::bandit::CostAwareTs;
+//! use eesd::core::{Backend, GenerationConfig, Generator, Mode};
+//! use eesd::models::{LoadOptions, LoadedModel, NormHead, fetch};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let device = Backend::Flex.device()?; // or "tch".parse::<Backend>()?.device()?
+//! let path = fetch::resolve_model(None)?; // $EESD_MODEL, the cache, or PyPI on first use
+//! let lm = LoadedModel::load(&path, &device, &LoadOptions::default())?;
+//! let prompt = lm.chat_prompt("What is speculative decoding?")?;
+//!
+//! let head = NormHead::new(); // or a trained LayerHead: eesd::train::load_layer_head(...)
+//! let mut generator = Generator::new(&lm.model).with_head(&head).with_policy(CostAwareTs::new(0));
+//! let config = GenerationConfig {
+//!     mode: Mode::Eesd,
+//!     exit_layer: Some(8),
+//!     max_new_tokens: 64,
+//!     stop_tokens: lm.tokenizer.eos_token_id().into_iter().collect(),
+//!     ..Default::default()
+//! };
+//! let out = generator.generate(&prompt, &config, |tokens| {
+//!     print!("{}", lm.tokenizer.decode(tokens, true).unwrap_or_default());
+//!     ControlFlow::Continue(())
+//! })?;
+//! println!("\n{:.1} tokens/s, {:.2} tokens per round", out.stats.tokens_per_second, out.stats.mean_accepted);
+//! # Ok(())
+//! # }
+//! ```
 
 pub use eesd_bandit as bandit;
 pub use eesd_core as core;
