@@ -189,31 +189,10 @@ impl BetaTs {
         Ok(self)
     }
 
-    /// Sets the discount γ ∈ (0, 1].
-    pub fn with_discount(mut self, discount: f64) -> Result<Self> {
-        check_discount(discount)?;
-        self.discount = discount;
-        Ok(self)
-    }
-
-    /// Sets the hard cap.
-    pub fn with_max_draft(mut self, max_draft: usize) -> Result<Self> {
-        check_cap(max_draft)?;
-        self.max_draft = max_draft;
-        Ok(self)
-    }
-
     /// Sets the step rule.
     pub fn with_rule(mut self, rule: StepRule) -> Self {
         self.rule = rule;
         self
-    }
-
-    /// Sets the cost ratio assumed until the loop reports measurements.
-    pub fn with_cost_ratio(mut self, ratio: f64) -> Result<Self> {
-        check_ratio(ratio)?;
-        self.cost = CostRatio(ratio);
-        Ok(self)
     }
 
     /// The posterior.
@@ -326,33 +305,6 @@ impl CalibratedTs {
         }
     }
 
-    /// Sets the number of confidence bins and their Beta prior.
-    pub fn with_bins(mut self, bins: usize, alpha: f64, beta: f64) -> Result<Self> {
-        self.posterior = BinnedPosterior::new(bins, alpha, beta)?;
-        Ok(self)
-    }
-
-    /// Sets the discount γ ∈ (0, 1].
-    pub fn with_discount(mut self, discount: f64) -> Result<Self> {
-        check_discount(discount)?;
-        self.discount = discount;
-        Ok(self)
-    }
-
-    /// Sets the hard cap.
-    pub fn with_max_draft(mut self, max_draft: usize) -> Result<Self> {
-        check_cap(max_draft)?;
-        self.max_draft = max_draft;
-        Ok(self)
-    }
-
-    /// Sets the cost ratio assumed until the loop reports measurements.
-    pub fn with_cost_ratio(mut self, ratio: f64) -> Result<Self> {
-        check_ratio(ratio)?;
-        self.cost = CostRatio(ratio);
-        Ok(self)
-    }
-
     /// The calibration posterior.
     pub fn posterior(&self) -> &BinnedPosterior {
         &self.posterior
@@ -442,33 +394,6 @@ impl CostAwareTs {
             survival: 1.0,
         }
     }
-
-    /// Sets the number of confidence bins and their Beta prior.
-    pub fn with_bins(mut self, bins: usize, alpha: f64, beta: f64) -> Result<Self> {
-        self.posterior = BinnedPosterior::new(bins, alpha, beta)?;
-        Ok(self)
-    }
-
-    /// Sets the discount γ ∈ (0, 1].
-    pub fn with_discount(mut self, discount: f64) -> Result<Self> {
-        check_discount(discount)?;
-        self.discount = discount;
-        Ok(self)
-    }
-
-    /// Sets the hard cap.
-    pub fn with_max_draft(mut self, max_draft: usize) -> Result<Self> {
-        check_cap(max_draft)?;
-        self.max_draft = max_draft;
-        Ok(self)
-    }
-
-    /// Sets the cost ratio assumed until the loop reports measurements.
-    pub fn with_cost_ratio(mut self, ratio: f64) -> Result<Self> {
-        check_ratio(ratio)?;
-        self.cost = CostRatio(ratio);
-        Ok(self)
-    }
 }
 
 impl DraftPolicy for CostAwareTs {
@@ -513,6 +438,49 @@ impl DraftPolicy for CostAwareTs {
         self.survival = 1.0;
     }
 }
+
+/// The builder methods every Thompson Sampling policy shares (same field names in each).
+macro_rules! ts_builders {
+    ($ty:ty) => {
+        impl $ty {
+            /// Sets the discount γ ∈ (0, 1] (1: no forgetting).
+            pub fn with_discount(mut self, discount: f64) -> Result<Self> {
+                check_discount(discount)?;
+                self.discount = discount;
+                Ok(self)
+            }
+
+            /// Sets the hard cap on drafted tokens per round.
+            pub fn with_max_draft(mut self, max_draft: usize) -> Result<Self> {
+                check_cap(max_draft)?;
+                self.max_draft = max_draft;
+                Ok(self)
+            }
+
+            /// Sets the draft/verify cost ratio assumed until the loop reports measurements.
+            pub fn with_cost_ratio(mut self, ratio: f64) -> Result<Self> {
+                check_ratio(ratio)?;
+                self.cost = CostRatio(ratio);
+                Ok(self)
+            }
+        }
+    };
+    ($ty:ty, binned) => {
+        ts_builders!($ty);
+
+        impl $ty {
+            /// Sets the number of confidence bins and their Beta prior.
+            pub fn with_bins(mut self, bins: usize, alpha: f64, beta: f64) -> Result<Self> {
+                self.posterior = BinnedPosterior::new(bins, alpha, beta)?;
+                Ok(self)
+            }
+        }
+    };
+}
+
+ts_builders!(BetaTs);
+ts_builders!(CalibratedTs, binned);
+ts_builders!(CostAwareTs, binned);
 
 /// Any of this crate's policies, as one serialisable value (save a tuned posterior, reload it).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

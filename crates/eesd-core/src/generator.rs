@@ -299,13 +299,7 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
 
             // Draft: layers [0, N) and the head, one token at a time, while the policy says so.
             let draft_start = Instant::now();
-            let h0 = m
-                .forward_layers(
-                    m.embed(&[t0]).map_err(model_err)?,
-                    lower.clone(),
-                    &mut cache,
-                )
-                .map_err(model_err)?;
+            let h0 = lower_pass(m, t0, &lower, &mut cache)?;
             let mut hidden = vec![h0.clone()];
             let mut drafts: Vec<u32> = Vec::new();
             let mut draft_probs: Vec<Vec<f32>> = Vec::new();
@@ -340,13 +334,7 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
                     let go_on =
                         drafts.len() < cap && self.policy.decide(&step) == Decision::Continue;
                     // The block to verify needs the layer-N state of every drafted token.
-                    let h = m
-                        .forward_layers(
-                            m.embed(&[token]).map_err(model_err)?,
-                            lower.clone(),
-                            &mut cache,
-                        )
-                        .map_err(model_err)?;
+                    let h = lower_pass(m, token, &lower, &mut cache)?;
                     hidden.push(h.clone());
                     if !go_on {
                         break;
@@ -404,6 +392,17 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
         };
         Ok((out.tokens, reason))
     }
+}
+
+/// One token through layers `[0, N)`: its layer-N hidden state, with the lower caches advanced.
+fn lower_pass<M: LayeredModel>(
+    m: &M,
+    token: u32,
+    lower: &std::ops::Range<usize>,
+    cache: &mut M::Cache,
+) -> Result<Tensor<2>> {
+    m.forward_layers(m.embed(&[token]).map_err(model_err)?, lower.clone(), cache)
+        .map_err(model_err)
 }
 
 /// Picks the draft token from head logits (over the full vocabulary or a subset); returns the

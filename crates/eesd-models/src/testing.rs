@@ -10,7 +10,7 @@ use rand::{RngExt, SeedableRng};
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
 use crate::gguf::{GgufValue, GgufWriter};
-use crate::weights::{HostTensor, WeightName};
+use crate::weights::{HostTensor, WeightName, permute_rope_rows};
 
 /// Special tokens of the tiny tokenizer, after the 256 byte tokens.
 pub const TINY_SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
@@ -77,29 +77,6 @@ pub fn random_weights(config: &LlamaConfig, seed: u64) -> Vec<(WeightName, HostT
         out.push((WeightName::LmHead, t(vec![config.vocab_size, h], w, 0.0)));
     }
     out
-}
-
-/// Permutes q/k rows from Hugging Face (rotate-half) order to GGUF (interleaved) order, as
-/// llama.cpp's converter does; the inverse of [`crate::weights::unpermute_rope_rows`].
-pub fn permute_rope_rows(t: &HostTensor, heads: usize) -> HostTensor {
-    let (rows, cols) = (t.shape[0], t.shape[1]);
-    let dim = rows / heads;
-    let half = dim / 2;
-    let mut out = vec![0f32; rows * cols];
-    for h in 0..heads {
-        for s in 0..2 {
-            for i in 0..half {
-                let hf = h * dim + s * half + i;
-                let gg = h * dim + 2 * i + s;
-                out[gg * cols..(gg + 1) * cols]
-                    .copy_from_slice(&t.values[hf * cols..(hf + 1) * cols]);
-            }
-        }
-    }
-    HostTensor {
-        values: out,
-        shape: t.shape.clone(),
-    }
 }
 
 /// GGUF metadata of a LLaMA config plus the tiny byte-level tokenizer.

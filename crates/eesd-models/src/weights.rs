@@ -120,6 +120,16 @@ impl HostTensor {
 /// Un-permutes the rows of a GGUF q/k projection from interleaved-pair RoPE order to rotate-half
 /// order: within each head, GGUF row `2i + s` holds HF row `s·(d/2) + i`.
 pub fn unpermute_rope_rows(t: &HostTensor, heads: usize) -> HostTensor {
+    permute_rows(t, heads, false)
+}
+
+/// Permutes q/k rows from Hugging Face (rotate-half) order to GGUF (interleaved) order, as
+/// llama.cpp's converter does; the inverse of [`unpermute_rope_rows`].
+pub fn permute_rope_rows(t: &HostTensor, heads: usize) -> HostTensor {
+    permute_rows(t, heads, true)
+}
+
+fn permute_rows(t: &HostTensor, heads: usize, to_gguf: bool) -> HostTensor {
     let (rows, cols) = (t.shape[0], t.shape[1]);
     let dim = rows / heads;
     let half = dim / 2;
@@ -127,8 +137,8 @@ pub fn unpermute_rope_rows(t: &HostTensor, heads: usize) -> HostTensor {
     for h in 0..heads {
         for s in 0..2 {
             for i in 0..half {
-                let src = h * dim + 2 * i + s;
-                let dst = h * dim + s * half + i;
+                let (gguf, hf) = (h * dim + 2 * i + s, h * dim + s * half + i);
+                let (src, dst) = if to_gguf { (hf, gguf) } else { (gguf, hf) };
                 out[dst * cols..(dst + 1) * cols]
                     .copy_from_slice(&t.values[src * cols..(src + 1) * cols]);
             }
