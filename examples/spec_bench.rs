@@ -4,7 +4,7 @@
 //! cargo run --release --example spec_bench -- --questions ../shared/data/spec_bench.jsonl \
 //!     --per-category 2 --max-new-tokens 128 [--methods norm@8/cost-ts,norm@12/fixed:2] [--json] [--out DIR]
 //! ```
-//! A method is `HEAD@LAYER/POLICY` (head: `norm`). For every question the methods run right after
+//! A method is `HEAD@LAYER/POLICY`; HEAD is `norm` or the path prefix of a trained head checkpoint. For every question the methods run right after
 //! AR on the same prompt (first turn, chat template), so machine drift cancels in the speedup, and
 //! every method's tokens are compared with AR's: `divergences` must be 0.
 
@@ -16,7 +16,8 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use eesd::bandit::Policy;
 use eesd::core::{Backend, GenerationConfig, GenerationOutput, Generator, Mode};
-use eesd::models::{Llama, LoadOptions, LoadedModel, NormHead, WeightDType, fetch};
+use eesd::models::{AnyHead, Llama, LoadOptions, LoadedModel, NormHead, WeightDType, fetch};
+use eesd::train::{file_sha256, load_layer_head};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Deserialize;
 
@@ -63,22 +64,35 @@ struct Method {
     name: String,
     exit_layer: usize,
     policy: Policy,
+    head: AnyHead,
 }
 
-fn parse_method(spec: &str, seed: u64) -> Result<Method> {
+fn parse_method(spec: &str, seed: u64, lm: &LoadedModel, model_sha: &str) -> Result<Method> {
     let (head, rest) = spec
         .split_once('@')
         .context("method must be HEAD@LAYER/POLICY")?;
     let (layer, policy) = rest
         .split_once('/')
         .context("method must be HEAD@LAYER/POLICY")?;
-    if head != "norm" {
-        bail!("unknown head `{head}` in `{spec}` (available: norm)");
-    }
+    let exit_layer: usize = layer.parse()?;
+    let head = if head == "norm" {
+        AnyHead::Norm(NormHead::new())
+    } else {
+        let (h, meta) = load_layer_head(std::path::Path::new(head), &lm.model, Some(model_sha))
+            .with_context(|| format!("head `{head}` of method `{spec}`"))?;
+        if meta.exit_layer != exit_layer {
+            bail!(
+                "head `{head}` was trained for layer {}, method `{spec}` asks for {exit_layer}",
+                meta.exit_layer
+            );
+        }
+        AnyHead::Layer(Box::new(h))
+    };
     Ok(Method {
         name: spec.to_string(),
-        exit_layer: layer.parse()?,
+        exit_layer,
         policy: Policy::parse(policy, seed)?,
+        head,
     })
 }
 
@@ -156,18 +170,18 @@ fn main() -> Result<()> {
             context_length: Some(4096),
         },
     )?;
+    let sha = file_sha256(&path)?;
     let methods: Vec<Method> = args
         .methods
         .iter()
-        .map(|m| parse_method(m, 1))
+        .map(|m| parse_method(m, 1, &lm, &sha))
         .collect::<Result<_>>()?;
-    let head = NormHead::new();
     // One generator per method, alive for the whole run, so learning policies carry over.
-    let mut generators: Vec<Generator<'_, Llama, NormHead>> = methods
+    let mut generators: Vec<Generator<'_, Llama, AnyHead>> = methods
         .iter()
         .map(|m| {
             Generator::new(&lm.model)
-                .with_head(&head)
+                .with_head(&m.head)
                 .with_policy(m.policy.clone())
         })
         .collect();

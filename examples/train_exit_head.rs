@@ -180,7 +180,7 @@ fn main() -> Result<()> {
         bar.inc(1);
         if (step + 1) % args.eval_every == 0 || step + 1 == args.steps {
             let metrics = distiller.evaluate(held_out, k)?;
-            bar.println(format!("step {}: {metrics:?}", step + 1));
+            bar.suspend(|| eprintln!("step {}: {metrics:?}", step + 1));
             history.push(
                 serde_json::json!({ "step": step + 1, "train_loss": running, "eval": metrics }),
             );
