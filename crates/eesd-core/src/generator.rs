@@ -320,7 +320,7 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
                         &params,
                         m.vocab_size(),
                         &mut sampler,
-                    );
+                    )?;
                     drafts.push(token);
                     confidences.push(confidence);
                     if let Some(q) = q {
@@ -406,18 +406,27 @@ fn lower_pass<M: LayeredModel>(
 }
 
 /// Picks the draft token from head logits (over the full vocabulary or a subset); returns the
-/// token, its full-vocabulary draft distribution (sampling only) and its confidence.
+/// token, its full-vocabulary draft distribution (sampling only) and its confidence. A head whose
+/// logits and token ids disagree, or that names tokens outside the vocabulary, is an error.
 fn choose_draft(
     logits: &[f32],
     token_ids: Option<&Vec<u32>>,
     params: &SamplingParams,
     vocab: usize,
     sampler: &mut Sampler,
-) -> (u32, Option<Vec<f32>>, f32) {
+) -> Result<(u32, Option<Vec<f32>>, f32)> {
+    let width = token_ids.map_or(vocab, Vec::len);
+    let out_of_range = token_ids.is_some_and(|ids| ids.iter().any(|&t| t as usize >= vocab));
+    if logits.len() != width || logits.is_empty() || out_of_range {
+        return Err(CoreError::InvalidConfig(format!(
+            "exit head returned {} logits for {width} token ids (vocabulary {vocab})",
+            logits.len()
+        )));
+    }
     let to_token = |i: usize| token_ids.map_or(i as u32, |ids| ids[i]);
     if params.is_greedy() {
         let i = argmax(logits);
-        return (to_token(i), None, softmax_at(logits, i));
+        return Ok((to_token(i), None, softmax_at(logits, i)));
     }
     let local = params.distribution(logits);
     let i = sampler.categorical(&local);
@@ -425,5 +434,5 @@ fn choose_draft(
     for (j, &pj) in local.iter().enumerate() {
         q[to_token(j) as usize] += pj;
     }
-    (to_token(i), Some(q), softmax_at(logits, i))
+    Ok((to_token(i), Some(q), softmax_at(logits, i)))
 }

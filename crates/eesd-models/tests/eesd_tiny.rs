@@ -435,3 +435,51 @@ fn vocab_subsets_and_head_layers_are_validated() {
         5
     );
 }
+
+/// A head whose logits do not match its token ids: an error, not a panic.
+struct BrokenHead;
+
+impl DraftHead<Llama> for BrokenHead {
+    type Cache = usize;
+    fn exit_layer(&self) -> Option<usize> {
+        Some(2)
+    }
+    fn new_cache(&self, _: &Llama) -> usize {
+        0
+    }
+    fn draft_logits(
+        &self,
+        _: &Llama,
+        hidden: Tensor<2>,
+        seen: &mut usize,
+    ) -> eesd_models::Result<eesd_core::DraftLogits> {
+        *seen += hidden.dims()[0];
+        let logits = hidden.narrow(1, 0, 3);
+        Ok(eesd_core::DraftLogits {
+            logits,
+            token_ids: Some(std::sync::Arc::new(vec![1, 2, 999_999])),
+        })
+    }
+    fn cached_len(&self, seen: &usize) -> usize {
+        *seen
+    }
+    fn truncate(&self, seen: &mut usize, len: usize) {
+        *seen = (*seen).min(len);
+    }
+}
+
+#[test]
+fn a_head_with_inconsistent_outputs_is_an_error() {
+    let model = tiny(10);
+    let mut g = Generator::new(&model)
+        .with_head(&BrokenHead)
+        .with_policy(Policy::parse("fixed:2", 0).unwrap());
+    let config = GenerationConfig {
+        mode: Mode::Eesd,
+        ..Default::default()
+    };
+    let err = g
+        .generate(&PROMPT, &config, |_| ControlFlow::Continue(()))
+        .unwrap_err();
+    assert!(matches!(err, CoreError::InvalidConfig(_)), "{err}");
+}
