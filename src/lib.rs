@@ -41,6 +41,8 @@
 //! # }
 //! ```
 
+#![warn(missing_docs)]
+
 pub use eesd_bandit as bandit;
 pub use eesd_core as core;
 pub use eesd_models as models;

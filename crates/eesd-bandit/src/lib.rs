@@ -8,6 +8,8 @@
 //!
 //! Pure Rust: no tensors, no burn.
 
+#![warn(missing_docs)]
+
 pub mod error;
 pub mod policies;
 pub mod policy;

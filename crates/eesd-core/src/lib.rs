@@ -8,6 +8,8 @@
 //! - [`sampling`]: temperature / top-k / top-p distributions and a seeded sampler.
 //! - [`backend`]: picking a burn device by name (`flex`, `tch`, `tch-cuda`, `cuda`).
 
+#![warn(missing_docs)]
+
 pub mod accept;
 pub mod backend;
 pub mod error;

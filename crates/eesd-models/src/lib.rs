@@ -6,6 +6,8 @@
 //!   safetensors directories, through [`Checkpoint`].
 //! - [`Tokenizer`] from `tokenizer.json` or GGUF metadata, and [`ChatTemplate`] rendering.
 
+#![warn(missing_docs)]
+
 pub mod cache;
 pub mod chat;
 pub mod config;

@@ -5,6 +5,8 @@
 //! - [`distill`]: the training loop (KL to the frozen model, AdamW, warm-up + cosine) and
 //!   held-out evaluation (top-1 agreement, expected accepted tokens per round).
 
+#![warn(missing_docs)]
+
 pub mod checkpoint;
 pub mod distill;
 pub mod error;
