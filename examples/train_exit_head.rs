@@ -6,7 +6,8 @@
 //!     --prompts ../shared/data/train_prompts.jsonl --num-prompts 300 --steps 600 --out heads/smollm2-l6
 //! ```
 //! Stages, each resumable: (1) the frozen model answers the prompts through its chat template
-//! (greedy; saved as token ids in `OUT.data.jsonl`, appended one answer at a time); (2) the draft
+//! (greedy; saved as `{"tokens": [...], "prompt_len": n}` lines in `OUT.data.jsonl`, appended one
+//! answer at a time); (2) the draft
 //! vocabulary = the most frequent tokens of those answers; (3) training with held-out evaluation;
 //! (4) `OUT.safetensors` (f16) + `OUT.json` (metadata: base model SHA-256, layer, vocabulary,
 //! config, metrics).
@@ -21,7 +22,7 @@ use clap::Parser;
 use eesd::core::{Backend, GenerationConfig, Generator};
 use eesd::models::{LayerHead, LoadOptions, LoadedModel, VocabSubset, fetch};
 use eesd::train::checkpoint::FORMAT_VERSION;
-use eesd::train::{DistillConfig, Distiller, HeadMetadata, file_sha256, save_layer_head};
+use eesd::train::{DistillConfig, Distiller, HeadMetadata, Sequence, file_sha256, save_layer_head};
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Parser, Debug)]
@@ -89,7 +90,7 @@ fn main() -> Result<()> {
 
     // (1) The model's own answers, resumable.
     let data_path = args.out.with_extension("data.jsonl");
-    let mut data: Vec<Vec<u32>> = match std::fs::read_to_string(&data_path) {
+    let mut data: Vec<Sequence> = match std::fs::read_to_string(&data_path) {
         Ok(text) => text
             .lines()
             .map(serde_json::from_str)
@@ -122,9 +123,14 @@ fn main() -> Result<()> {
             let mut ids = lm.chat_prompt(&p.prompt)?;
             ids.truncate(1024);
             let out = generator.generate(&ids, &config, |_| ControlFlow::Continue(()))?;
+            let prompt_len = ids.len();
             ids.extend(out.tokens);
-            writeln!(file, "{}", serde_json::to_string(&ids)?)?;
-            data.push(ids);
+            let seq = Sequence {
+                tokens: ids,
+                prompt_len,
+            };
+            writeln!(file, "{}", serde_json::to_string(&seq)?)?;
+            data.push(seq);
             bar.inc(1);
         }
         bar.finish();
@@ -134,7 +140,9 @@ fn main() -> Result<()> {
 
     // (2) Draft vocabulary: the most frequent tokens of the data, EOS always included.
     let mut counts = vec![0u64; m.config().vocab_size];
-    data.iter().flatten().for_each(|&t| counts[t as usize] += 1);
+    data.iter()
+        .flat_map(|s| &s.tokens)
+        .for_each(|&t| counts[t as usize] += 1);
     let eos: Vec<u32> = lm.tokenizer.eos_token_id().into_iter().collect();
     let subset = (args.vocab > 0)
         .then(|| VocabSubset::most_frequent(&counts, args.vocab, &eos))
@@ -170,7 +178,7 @@ fn main() -> Result<()> {
     let mut history = Vec::new();
     let mut running = 0.0;
     for step in 0..args.steps {
-        let loss = distiller.train_step(&train[step % train.len()])?;
+        let loss = distiller.train_step(&train[step % train.len()].tokens)?;
         running = if step == 0 {
             loss
         } else {

@@ -81,8 +81,17 @@ pub struct EvalMetrics {
     pub expected_accepted: f64,
     /// The `k` used for `expected_accepted`.
     pub k: usize,
-    /// Positions evaluated.
+    /// Positions evaluated (answer positions only).
     pub positions: usize,
+}
+
+/// A training or evaluation sequence: a prompt followed by the model's own answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sequence {
+    /// Prompt and answer token ids.
+    pub tokens: Vec<u32>,
+    /// Length of the prompt part; evaluation scores only the positions that predict the answer.
+    pub prompt_len: usize,
 }
 
 /// Teacher outputs for one sequence, on the plain device.
@@ -230,21 +239,25 @@ impl<'m> Distiller<'m> {
         Ok(value)
     }
 
-    /// KL, top-1 agreement and expected accepted tokens at draft length `k` on held-out sequences.
-    pub fn evaluate(&self, sequences: &[Vec<u32>], k: usize) -> Result<EvalMetrics> {
+    /// KL, top-1 agreement and expected accepted tokens at draft length `k` on held-out sequences,
+    /// over the positions that predict answer tokens (a repeated system prompt is easy to predict
+    /// and would flatter the head).
+    pub fn evaluate(&self, sequences: &[Sequence], k: usize) -> Result<EvalMetrics> {
         let (mut kl, mut agree, mut accepted, mut positions) = (0.0, 0usize, 0.0, 0usize);
-        for seq in sequences.iter().filter(|s| s.len() >= 2) {
-            let teacher = self.teacher(seq)?;
+        for seq in sequences.iter().filter(|s| s.tokens.len() >= 2) {
+            let teacher = self.teacher(&seq.tokens)?;
             let student = self
                 .student(teacher.hidden.clone().to_device(&self.train_device))?
                 .detach();
-            let t = seq.len();
-            kl += Self::kl(
-                teacher.log_probs.to_device(&self.train_device),
-                student.clone(),
-            )
-            .into_scalar::<f32>() as f64
-                * t as f64;
+            // Score the positions that predict answer tokens: the last prompt position onwards.
+            let t = seq.tokens.len();
+            let from = seq.prompt_len.saturating_sub(1).min(t - 1);
+            let rows = t - from;
+            let student = student.narrow(0, from, rows);
+            let target = teacher.log_probs.narrow(0, from, rows);
+            kl += Self::kl(target.to_device(&self.train_device), student.clone())
+                .into_scalar::<f32>() as f64
+                * rows as f64;
             let picks = student
                 .argmax(1)
                 .into_data()
@@ -253,7 +266,7 @@ impl<'m> Distiller<'m> {
                 .map_err(|e| TrainError::InvalidConfig(format!("{e:?}")))?;
             let ok: Vec<bool> = picks
                 .iter()
-                .zip(&teacher.argmax)
+                .zip(&teacher.argmax[from..])
                 .map(|(&p, &a)| {
                     self.subset
                         .as_ref()
@@ -262,10 +275,10 @@ impl<'m> Distiller<'m> {
                 })
                 .collect();
             agree += ok.iter().filter(|&&b| b).count();
-            for s in 0..t {
+            for s in 0..rows {
                 accepted += 1.0 + ok[s..].iter().take(k).take_while(|&&b| b).count() as f64;
             }
-            positions += t;
+            positions += rows;
         }
         let n = positions.max(1) as f64;
         Ok(EvalMetrics {

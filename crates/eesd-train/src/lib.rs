@@ -12,5 +12,5 @@ pub mod distill;
 pub mod error;
 
 pub use checkpoint::{HeadMetadata, file_sha256, load_layer_head, read_metadata, save_layer_head};
-pub use distill::{DistillConfig, Distiller, EvalMetrics};
+pub use distill::{DistillConfig, Distiller, EvalMetrics, Sequence};
 pub use error::{Result, TrainError};

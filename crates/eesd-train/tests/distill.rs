@@ -9,7 +9,7 @@ use eesd_models::testing::{tiny_config, tiny_gguf_bytes};
 use eesd_models::{LayerHead, Llama, LoadOptions, LoadedModel, VocabSubset};
 use eesd_train::checkpoint::FORMAT_VERSION;
 use eesd_train::{
-    DistillConfig, Distiller, HeadMetadata, TrainError, load_layer_head, save_layer_head,
+    DistillConfig, Distiller, HeadMetadata, Sequence, TrainError, load_layer_head, save_layer_head,
 };
 
 fn tiny(seed: u64) -> Llama {
@@ -23,7 +23,7 @@ fn tiny(seed: u64) -> Llama {
 }
 
 /// Sequences the model writes itself (greedy), from varied short prompts.
-fn self_generated(model: &Llama, n: usize, len: usize) -> Vec<Vec<u32>> {
+fn self_generated(model: &Llama, n: usize, len: usize) -> Vec<Sequence> {
     let mut g = Generator::new(model);
     (0..n as u32)
         .map(|i| {
@@ -35,7 +35,10 @@ fn self_generated(model: &Llama, n: usize, len: usize) -> Vec<Vec<u32>> {
             let out = g
                 .generate(&prompt, &config, |_| ControlFlow::Continue(()))
                 .unwrap();
-            prompt.into_iter().chain(out.tokens).collect()
+            Sequence {
+                prompt_len: prompt.len(),
+                tokens: prompt.into_iter().chain(out.tokens).collect(),
+            }
         })
         .collect()
 }
@@ -44,6 +47,12 @@ fn self_generated(model: &Llama, n: usize, len: usize) -> Vec<Vec<u32>> {
 fn distillation_lowers_the_held_out_kl() {
     let model = tiny(21);
     let data = self_generated(&model, 40, 20);
+    // A tiny random model's own answers fall into easy loops, so score every position here
+    // (`prompt_len: 0`); on a real model only answer positions are scored.
+    let data: Vec<Sequence> = data
+        .into_iter()
+        .map(|s| Sequence { prompt_len: 0, ..s })
+        .collect();
     let (train, held_out) = data.split_at(32);
     // A deliberately poor start: layer 3's weights used as the exit head of layer 1.
     let head = LayerHead::from_model(&model, 1, 3, None).unwrap();
@@ -56,7 +65,7 @@ fn distillation_lowers_the_held_out_kl() {
     let mut d = Distiller::new(&model, head, config).unwrap();
     let before = d.evaluate(held_out, 4).unwrap();
     for step in 0..96 {
-        d.train_step(&train[step % train.len()]).unwrap();
+        d.train_step(&train[step % train.len()].tokens).unwrap();
     }
     let after = d.evaluate(held_out, 4).unwrap();
     assert!(
@@ -70,6 +79,13 @@ fn distillation_lowers_the_held_out_kl() {
         "{before:?} -> {after:?}"
     );
     assert!(after.expected_accepted >= 1.0 && after.expected_accepted <= 5.0);
+    // Only the positions predicting answer tokens count: the last prompt position onwards.
+    let seq = Sequence {
+        prompt_len: 5,
+        ..held_out[0].clone()
+    };
+    let m = d.evaluate(std::slice::from_ref(&seq), 4).unwrap();
+    assert_eq!(m.positions, seq.tokens.len() - 4);
 }
 
 fn metadata(model: &Llama, exit: usize, subset: Option<Vec<u32>>) -> HeadMetadata {
@@ -206,7 +222,7 @@ fn a_trained_reduced_vocabulary_head_keeps_eesd_lossless() {
     )
     .unwrap();
     for seq in &data {
-        d.train_step(seq).unwrap();
+        d.train_step(&seq.tokens).unwrap();
     }
     let head = d.into_head();
     let prompt = [257, 84, 104, 101];
