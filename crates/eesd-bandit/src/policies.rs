@@ -262,6 +262,17 @@ impl DraftPolicy for BetaTs {
     }
 }
 
+/// The stopping rule of the calibrated policies: draft one more token while its expected extra
+/// tokens (`gain`) cover its price at the current rate (`ratio × rate` verification units) and
+/// fewer than `cap` tokens are drafted.
+fn marginal_rule(gain: f64, ratio: f64, rate: f64, drafted: usize, cap: usize) -> Decision {
+    if gain >= ratio * rate && drafted < cap {
+        Decision::Continue
+    } else {
+        Decision::Stop
+    }
+}
+
 /// State of a calibrated round: the drawn curve, the survival of the drafted prefix, and the
 /// predicted acceptance and rate of tokens not drafted yet.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -328,12 +339,7 @@ impl DraftPolicy for CalibratedTs {
             next,
             rate,
         };
-        // The first draft is worth it when its expected gain beats its price at this rate.
-        if next >= self.cost.0 * rate {
-            Decision::Continue
-        } else {
-            Decision::Stop
-        }
+        marginal_rule(next, self.cost.0, rate, 0, self.max_draft)
     }
     fn decide(&mut self, step: &DraftStep) -> Decision {
         if self.round.thetas.is_empty() {
@@ -341,12 +347,13 @@ impl DraftPolicy for CalibratedTs {
         }
         let r = &mut self.round;
         r.survival *= r.thetas[self.posterior.bin(step.confidence)];
-        let worth_it = r.survival * r.next >= self.cost.0 * r.rate;
-        if worth_it && step.position + 1 < self.max_draft {
-            Decision::Continue
-        } else {
-            Decision::Stop
-        }
+        marginal_rule(
+            r.survival * r.next,
+            self.cost.0,
+            r.rate,
+            step.position + 1,
+            self.max_draft,
+        )
     }
     fn observe(&mut self, outcome: &RoundOutcome) {
         self.posterior.update(outcome, self.discount);
@@ -407,11 +414,7 @@ impl DraftPolicy for CostAwareTs {
         self.survival = 1.0;
         let thetas = self.posterior.sample(&mut self.draws.rng());
         let next = self.posterior.expected_next(&thetas);
-        if next >= self.cost.0 * self.rate {
-            Decision::Continue
-        } else {
-            Decision::Stop
-        }
+        marginal_rule(next, self.cost.0, self.rate, 0, self.max_draft)
     }
     fn decide(&mut self, step: &DraftStep) -> Decision {
         if step.position == 0 {
@@ -422,12 +425,13 @@ impl DraftPolicy for CostAwareTs {
         self.survival *= self.posterior.posterior(bin).sample(&mut rng);
         let thetas = self.posterior.sample(&mut rng);
         let next = self.posterior.expected_next(&thetas);
-        let worth_it = self.survival * next >= self.cost.0 * self.rate;
-        if worth_it && step.position + 1 < self.max_draft {
-            Decision::Continue
-        } else {
-            Decision::Stop
-        }
+        marginal_rule(
+            self.survival * next,
+            self.cost.0,
+            self.rate,
+            step.position + 1,
+            self.max_draft,
+        )
     }
     fn observe(&mut self, outcome: &RoundOutcome) {
         self.posterior.update(outcome, self.discount);

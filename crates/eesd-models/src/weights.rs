@@ -100,21 +100,6 @@ impl HostTensor {
         }
         Ok(self)
     }
-
-    /// The transpose of a 2-D tensor (`[out, in]` → `[in, out]`, the layout matmuls want).
-    pub fn transposed(&self) -> HostTensor {
-        let (rows, cols) = (self.shape[0], self.shape[1]);
-        let mut out = vec![0f32; rows * cols];
-        for r in 0..rows {
-            for c in 0..cols {
-                out[c * rows + r] = self.values[r * cols + c];
-            }
-        }
-        HostTensor {
-            values: out,
-            shape: vec![cols, rows],
-        }
-    }
 }
 
 /// Un-permutes the rows of a GGUF q/k projection from interleaved-pair RoPE order to rotate-half
