@@ -6,23 +6,25 @@
 //!     --prompts ../shared/data/train_prompts.jsonl --num-prompts 300 --steps 600 --out heads/smollm2-l6
 //! ```
 //! Stages, each resumable: (1) the frozen model answers the prompts through its chat template
-//! (greedy; saved as `{"tokens": [...], "prompt_len": n}` lines in `OUT.data.jsonl`, appended one
-//! answer at a time); (2) the draft
+//! (greedy, `--batch` prompts decoded together; saved as `{"prompt": i, "tokens": [...],
+//! "prompt_len": n}` lines in `OUT.data.jsonl`, appended as answers finish); (2) the draft
 //! vocabulary = the most frequent tokens of those answers; (3) training with held-out evaluation;
 //! (4) `OUT.safetensors` (f16) + `OUT.json` (metadata: base model SHA-256, layer, vocabulary,
 //! config, metrics).
 
 use std::io::Write;
-use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use eesd::core::{Backend, GenerationConfig, Generator};
-use eesd::models::{LayerHead, LoadOptions, LoadedModel, VocabSubset, fetch};
+use eesd::core::Backend;
+use eesd::models::{HeadKind, LayerHead, LoadOptions, LoadedModel, VocabSubset, fetch};
 use eesd::train::checkpoint::FORMAT_VERSION;
-use eesd::train::{DistillConfig, Distiller, HeadMetadata, Sequence, file_sha256, save_layer_head};
+use eesd::train::{
+    AnswerConfig, DistillConfig, Distiller, HeadMetadata, Sequence, TrainError, file_sha256,
+    generate_answers, save_layer_head,
+};
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Parser, Debug)]
@@ -36,6 +38,9 @@ struct Args {
     /// Exit layer N.
     #[arg(long, default_value_t = 6)]
     exit_layer: usize,
+    /// Head kind: `layer` (EESD, a whole decoder layer) or `adapter` (Kangaroo, attention only).
+    #[arg(long, default_value = "layer")]
+    head: HeadKind,
     /// Model layer whose weights initialise the head's layer (default: N).
     #[arg(long)]
     init_layer: Option<usize>,
@@ -51,6 +56,10 @@ struct Args {
     /// Answer length cap.
     #[arg(long, default_value_t = 128)]
     answer_tokens: usize,
+    /// Prompts answered together while generating data (decoding streams the weights once for
+    /// all of them).
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
     /// Optimisation steps (one sequence per step).
     #[arg(long, default_value_t = 600)]
     steps: usize,
@@ -63,6 +72,14 @@ struct Args {
     /// Output prefix.
     #[arg(long, default_value = "heads/smollm2-head")]
     out: PathBuf,
+}
+
+/// One line of `OUT.data.jsonl`: a prompt's index in the prompt file and the sequence.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Record {
+    prompt: usize,
+    #[serde(flatten)]
+    sequence: Sequence,
 }
 
 #[derive(serde::Deserialize)]
@@ -90,7 +107,9 @@ fn main() -> Result<()> {
 
     // (1) The model's own answers, resumable.
     let data_path = args.out.with_extension("data.jsonl");
-    let mut data: Vec<Sequence> = match std::fs::read_to_string(&data_path) {
+    // Lines are written as answers finish (batched generation finishes out of order), each
+    // tagged with its prompt, so a resumed run answers exactly the missing prompts.
+    let mut records: Vec<Record> = match std::fs::read_to_string(&data_path) {
         Ok(text) => text
             .lines()
             .map(serde_json::from_str)
@@ -103,39 +122,51 @@ fn main() -> Result<()> {
         .map(serde_json::from_str)
         .collect::<Result<_, _>>()?;
     let wanted = args.num_prompts.min(prompts.len());
-    if data.len() < wanted {
+    let done: std::collections::HashSet<usize> = records.iter().map(|r| r.prompt).collect();
+    let missing: Vec<usize> = (0..wanted).filter(|i| !done.contains(i)).collect();
+    if !missing.is_empty() {
         let bar = ProgressBar::new(wanted as u64);
         bar.set_style(ProgressStyle::with_template(
             "answering {bar:40} {pos}/{len} [{elapsed_precise} < {eta_precise}]",
         )?);
-        bar.set_position(data.len() as u64);
+        bar.set_position((wanted - missing.len()) as u64);
         let mut file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&data_path)?;
-        let mut generator = Generator::new(m);
-        let config = GenerationConfig {
+        let config = AnswerConfig {
             max_new_tokens: args.answer_tokens,
             stop_tokens: lm.tokenizer.eos_token_id().into_iter().collect(),
-            ..Default::default()
+            batch: args.batch,
         };
-        for p in &prompts[data.len()..wanted] {
-            let mut ids = lm.chat_prompt(&p.prompt)?;
-            ids.truncate(1024);
-            let out = generator.generate(&ids, &config, |_| ControlFlow::Continue(()))?;
-            let prompt_len = ids.len();
-            ids.extend(out.tokens);
-            let seq = Sequence {
-                tokens: ids,
-                prompt_len,
+        let todo = missing
+            .iter()
+            .map(|&i| {
+                let mut ids = lm.chat_prompt(&prompts[i].prompt)?;
+                ids.truncate(1024);
+                Ok(ids)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        generate_answers(m, todo, &config, |n, sequence| {
+            let record = Record {
+                prompt: missing[n],
+                sequence,
             };
-            writeln!(file, "{}", serde_json::to_string(&seq)?)?;
-            data.push(seq);
+            let line = serde_json::to_string(&record).map_err(std::io::Error::other);
+            line.and_then(|line| writeln!(file, "{line}"))
+                .map_err(|source| TrainError::Io {
+                    path: data_path.clone(),
+                    source,
+                })?;
+            records.push(record);
             bar.inc(1);
-        }
+            Ok(())
+        })?;
         bar.finish();
     }
-    data.truncate(wanted);
+    records.retain(|r| r.prompt < wanted);
+    records.sort_by_key(|r| r.prompt);
+    let data: Vec<Sequence> = records.into_iter().map(|r| r.sequence).collect();
     let generation_seconds = started.elapsed().as_secs_f64();
 
     // (2) Draft vocabulary: the most frequent tokens of the data, EOS always included.
@@ -166,7 +197,7 @@ fn main() -> Result<()> {
         ..Default::default()
     };
     let init = args.init_layer.unwrap_or(args.exit_layer);
-    let head = LayerHead::from_model(m, args.exit_layer, init, subset.as_ref())?;
+    let head = LayerHead::from_model(m, args.head, args.exit_layer, init, subset.as_ref())?;
     let mut distiller = Distiller::new(m, head, config.clone())?;
     let k = 4;
     let before = distiller.evaluate(held_out, k)?;
@@ -201,7 +232,7 @@ fn main() -> Result<()> {
     // (4) Checkpoint.
     let meta = HeadMetadata {
         format_version: FORMAT_VERSION,
-        head_kind: "layer".into(),
+        head_kind: args.head.name().into(),
         base_model_sha256: file_sha256(&path)?,
         base_model_name: path
             .file_name()

@@ -16,9 +16,11 @@ use burn::tensor::{Int, Tensor, TensorData};
 use eesd_core::{DraftHead, DraftLogits};
 
 use crate::cache::LayerCache;
+use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
 use crate::layer::{AttentionContext, DecoderLayer, linear, rms_norm};
 use crate::llama::Llama;
+use crate::rope::Rope;
 
 /// A set of token ids the draft projects onto (e.g. the most frequent ones).
 #[derive(Debug, Clone, PartialEq)]
@@ -185,17 +187,81 @@ impl DraftHead<Llama> for NormHead {
     }
 }
 
-/// The trainable part of a [`LayerHead`]: one decoder layer and its output norm.
+/// What the block of a [`LayerHead`] contains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HeadKind {
+    /// EESD's early-exiting layer: a whole decoder layer (attention + SwiGLU MLP).
+    #[default]
+    Layer,
+    /// Kangaroo's adapter: the attention half only (its norm, q/k/v and output projections),
+    /// about a quarter of a layer's weights, so drafting streams less memory per token.
+    Adapter,
+}
+
+impl HeadKind {
+    /// The name used in checkpoints and on the command line (`layer`, `adapter`).
+    pub fn name(self) -> &'static str {
+        match self {
+            HeadKind::Layer => "layer",
+            HeadKind::Adapter => "adapter",
+        }
+    }
+}
+
+impl std::str::FromStr for HeadKind {
+    type Err = ModelError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "layer" => Ok(HeadKind::Layer),
+            "adapter" => Ok(HeadKind::Adapter),
+            other => Err(ModelError::InvalidArgument(format!(
+                "unknown head kind `{other}` (expected `layer` or `adapter`)"
+            ))),
+        }
+    }
+}
+
+/// The trainable part of a [`LayerHead`]: one decoder layer (or its attention half) and the
+/// output norm.
 #[derive(Module, Debug)]
 pub struct LayerHeadWeights {
-    /// The head's own decoder layer.
+    /// The head's own decoder layer. An adapter uses only its attention half; its MLP fields
+    /// then still point at the model layer it was copied from and are neither run nor saved.
     pub layer: DecoderLayer,
     /// RMSNorm gain before the (shared, frozen) LM head.
     pub norm: Param<Tensor<1>>,
+    /// Whole layer or attention-only adapter.
+    #[module(skip)]
+    pub kind: HeadKind,
+}
+
+impl LayerHeadWeights {
+    /// The head's hidden state for `hidden: [t, hidden]` (block, then the output norm), with
+    /// the model's `rope` tables (on the weights' device) and `config`.
+    pub fn forward(
+        &self,
+        hidden: Tensor<2>,
+        rope: &Rope,
+        ctx: &AttentionContext,
+        cache: Option<&mut LayerCache>,
+        config: &LlamaConfig,
+    ) -> Result<Tensor<2>> {
+        let (c, limit) = (config, config.context_length);
+        let h = match self.kind {
+            HeadKind::Layer => self.layer.forward(hidden, rope, ctx, cache, limit)?,
+            HeadKind::Adapter => self
+                .layer
+                .forward_attention_only(hidden, rope, ctx, cache, limit)?,
+        };
+        Ok(rms_norm(h, self.norm.val(), c.rms_norm_eps))
+    }
 }
 
 /// EESD's early-exiting layer: a decoder layer of its own (with its own KV cache), an RMSNorm,
 /// and the model's LM head (shared and frozen; optionally restricted to a [`VocabSubset`]).
+/// With [`HeadKind::Adapter`] the block is attention-only (Kangaroo's adapter).
 #[derive(Debug)]
 pub struct LayerHead {
     weights: LayerHeadWeights,
@@ -204,10 +270,11 @@ pub struct LayerHead {
 }
 
 impl LayerHead {
-    /// A head for exit layer `n`, initialised from a copy of model layer `init_from` and the
-    /// model's final norm.
+    /// A head of `kind` for exit layer `n`, initialised from a copy of model layer `init_from`
+    /// and the model's final norm.
     pub fn from_model(
         model: &Llama,
+        kind: HeadKind,
         n: usize,
         init_from: usize,
         subset: Option<&VocabSubset>,
@@ -221,6 +288,7 @@ impl LayerHead {
         let weights = LayerHeadWeights {
             layer: model.layers()[init_from].clone(),
             norm: Param::from_tensor(model.final_norm().clone()),
+            kind,
         };
         Ok(Self::from_weights(model, n, weights, subset))
     }
@@ -249,6 +317,11 @@ impl LayerHead {
         self.weights
     }
 
+    /// Whole layer or adapter.
+    pub fn kind(&self) -> HeadKind {
+        self.weights.kind
+    }
+
     /// The vocabulary subset, if any.
     pub fn token_ids(&self) -> Option<&[u32]> {
         self.projection.ids.as_deref().map(Vec::as_slice)
@@ -271,11 +344,7 @@ impl LayerHead {
             c.num_kv_heads,
             c.num_heads / c.num_kv_heads,
         );
-        let h = self
-            .weights
-            .layer
-            .forward(hidden, model.rope(), &ctx, cache, c.context_length)?;
-        Ok(rms_norm(h, self.weights.norm.val(), c.rms_norm_eps))
+        self.weights.forward(hidden, model.rope(), &ctx, cache, c)
     }
 }
 

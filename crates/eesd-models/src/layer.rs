@@ -1,6 +1,6 @@
 //! One LLaMA decoder layer: RMSNorm → GQA attention with RoPE → RMSNorm → SwiGLU MLP.
 //!
-//! Weights are stored `[in, out]` (the layout a matmul wants) and fused where one matmul can
+//! Weights are stored `[out, in]` (see [`linear`]) and fused where one matmul can
 //! replace several: q/k/v share one projection and gate/up another, so a decode step issues two
 //! large matmuls instead of five small ones.
 
@@ -26,7 +26,15 @@ pub fn rms_norm(x: Tensor<2>, gamma: Tensor<1>, eps: f64) -> Tensor<2> {
 /// dimension and streams each weight row once, so a block of a few tokens costs little more than
 /// one. With `x · w[in, out]` it vectorises along the block's few rows instead, and verifying 8
 /// tokens would cost 5× one token (measured: `cargo run --release --example block_cost`).
+///
+/// On flex, f32 blocks of up to [`MAX_STREAMING_ROWS`](crate::streaming::MAX_STREAMING_ROWS)
+/// rows (decoding, drafting, verification) go through the weight-streaming kernel of
+/// [`crate::streaming`] instead, whose block cost stays near one token's.
 pub fn linear(x: Tensor<2>, w: Tensor<2>) -> Tensor<2> {
+    #[cfg(feature = "flex")]
+    if let Some(y) = crate::streaming::streaming_linear(&x, &w) {
+        return y;
+    }
     let dtype = w.dtype();
     let y = w.matmul(cast_to(x, dtype).transpose()).transpose();
     cast_to(y, DType::F32)
@@ -123,6 +131,58 @@ impl DecoderLayer {
         Ok(x + m)
     }
 
+    /// The attention half alone, `x + attention(norm(x))`: the block of a Kangaroo-style
+    /// adapter head (the MLP weights are not touched).
+    pub fn forward_attention_only(
+        &self,
+        x: Tensor<2>,
+        rope: &Rope,
+        ctx: &AttentionContext,
+        cache: Option<&mut LayerCache>,
+        limit: usize,
+    ) -> Result<Tensor<2>> {
+        let h = self.attention(
+            rms_norm(x.clone(), self.attn_norm.val(), self.eps),
+            rope,
+            ctx,
+            cache,
+            limit,
+        )?;
+        Ok(x + h)
+    }
+
+    /// Runs the layer on one new token from each of `b` independent sequences, `x: [b, hidden]`,
+    /// sequence `s` at position `positions[s]` with its own cache `caches[s]`. The projections
+    /// and the MLP run as one `b`-row block (a block costs little more than one row); only the
+    /// attention runs per sequence.
+    pub fn forward_batch(
+        &self,
+        x: Tensor<2>,
+        rope: &Rope,
+        positions: &[usize],
+        caches: &mut [&mut LayerCache],
+        limit: usize,
+    ) -> Result<Tensor<2>> {
+        let qkv = linear(
+            rms_norm(x.clone(), self.attn_norm.val(), self.eps),
+            self.wqkv.val(),
+        );
+        let mut outs = Vec::with_capacity(caches.len());
+        for (s, (cache, &past)) in caches.iter_mut().zip(positions).enumerate() {
+            let ctx = AttentionContext::new(rope, past, 1, self.num_kv_heads, self.group());
+            outs.push(self.attend(qkv.clone().narrow(0, s, 1), rope, &ctx, Some(cache), limit)?);
+        }
+        let h = linear(Tensor::cat(outs, 0), self.wo.val());
+        let x = x + h;
+        let m = self.mlp(rms_norm(x.clone(), self.mlp_norm.val(), self.eps));
+        Ok(x + m)
+    }
+
+    /// Query heads per key/value head.
+    fn group(&self) -> usize {
+        self.num_heads / self.num_kv_heads
+    }
+
     fn attention(
         &self,
         x: Tensor<2>,
@@ -131,10 +191,24 @@ impl DecoderLayer {
         cache: Option<&mut LayerCache>,
         limit: usize,
     ) -> Result<Tensor<2>> {
-        let [t, _] = x.dims();
-        let (nh, nkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let group = nh / nkv;
         let qkv = linear(x, self.wqkv.val());
+        let out = self.attend(qkv, rope, ctx, cache, limit)?;
+        Ok(linear(out, self.wo.val()))
+    }
+
+    /// Attention of one sequence's new rows given their fused projections `qkv: [t, …]`;
+    /// returns the heads' outputs `[t, heads·head_dim]` before the output projection.
+    fn attend(
+        &self,
+        qkv: Tensor<2>,
+        rope: &Rope,
+        ctx: &AttentionContext,
+        cache: Option<&mut LayerCache>,
+        limit: usize,
+    ) -> Result<Tensor<2>> {
+        let [t, _] = qkv.dims();
+        let (nh, nkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let group = self.group();
         let heads = |start: usize, n: usize| {
             qkv.clone()
                 .narrow(1, start * d, n * d)
@@ -158,8 +232,7 @@ impl DecoderLayer {
             None => scores,
         };
         let out = softmax(scores, 2).matmul(v);
-        let out = out.reshape([nh, t, d]).swap_dims(0, 1).reshape([t, nh * d]);
-        Ok(linear(out, self.wo.val()))
+        Ok(out.reshape([nh, t, d]).swap_dims(0, 1).reshape([t, nh * d]))
     }
 
     fn mlp(&self, x: Tensor<2>) -> Tensor<2> {

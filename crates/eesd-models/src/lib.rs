@@ -21,6 +21,8 @@ pub mod llama;
 pub mod loader;
 pub mod quant;
 pub mod rope;
+#[cfg(feature = "flex")]
+pub mod streaming;
 pub mod testing;
 pub mod tokenizer;
 pub mod weights;
@@ -30,7 +32,9 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{Llama3RopeScaling, LlamaConfig};
 pub use error::{ModelError, Result};
 pub use gguf::{GgufFile, GgufTensorInfo, GgufValue};
-pub use heads::{AnyHead, AnyHeadCache, LayerHead, LayerHeadWeights, NormHead, VocabSubset};
+pub use heads::{
+    AnyHead, AnyHeadCache, HeadKind, LayerHead, LayerHeadWeights, NormHead, VocabSubset,
+};
 pub use layer::DecoderLayer;
 pub use llama::{Llama, WeightDType};
 pub use loader::{LoadOptions, LoadedModel};

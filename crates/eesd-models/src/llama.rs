@@ -5,7 +5,7 @@ use std::ops::Range;
 use burn::module::Param;
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
-use crate::cache::KvCache;
+use crate::cache::{KvCache, LayerCache};
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
 use crate::layer::{AttentionContext, DecoderLayer, cast_to, linear, rms_norm};
@@ -266,6 +266,48 @@ impl Llama {
             x = self.layers[i].forward(x, &self.rope, &ctx, layer_cache, limit)?;
         }
         Ok(x)
+    }
+
+    /// Decodes one new token for each of several independent sequences at once and returns
+    /// their logits `[b, vocab]`; `caches[s]` holds sequence `s` (any lengths) and grows by one.
+    ///
+    /// The weights are streamed once for all `b` rows, so a batch of `b` sequences costs far
+    /// less than `b` separate steps — this is how training data is generated quickly. Each row
+    /// is computed exactly as [`Llama::forward`] would compute it alone.
+    pub fn decode_batch(&self, tokens: &[u32], caches: &mut [KvCache]) -> Result<Tensor<2>> {
+        if tokens.len() != caches.len() {
+            return Err(ModelError::InvalidArgument(format!(
+                "{} tokens for {} caches",
+                tokens.len(),
+                caches.len()
+            )));
+        }
+        let layers = self.layers.len();
+        let limit = self.config.context_length;
+        let mut positions = Vec::with_capacity(caches.len());
+        for cache in caches.iter() {
+            let past = cache.len_of(0);
+            if cache.num_layers() != layers || (0..layers).any(|i| cache.len_of(i) != past) {
+                return Err(ModelError::InvalidArgument(
+                    "decode_batch needs full-model caches with every layer at the same length"
+                        .into(),
+                ));
+            }
+            if past + 1 > limit {
+                return Err(ModelError::ContextOverflow {
+                    needed: past + 1,
+                    limit,
+                });
+            }
+            positions.push(past);
+        }
+        let mut x = self.embed(tokens)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let mut layer_caches: Vec<&mut LayerCache> =
+                caches.iter_mut().filter_map(|c| c.layer_mut(i)).collect();
+            x = layer.forward_batch(x, &self.rope, &positions, &mut layer_caches, limit)?;
+        }
+        Ok(self.logits(x))
     }
 
     /// Final RMSNorm + LM head: `[t, hidden]` → logits `[t, vocab]`.

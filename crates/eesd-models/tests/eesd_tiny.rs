@@ -14,7 +14,7 @@ use eesd_core::{
     SamplingParams, StopReason,
 };
 use eesd_models::testing::{tiny_config, tiny_gguf_bytes};
-use eesd_models::{LayerHead, Llama, LoadOptions, LoadedModel, NormHead, VocabSubset};
+use eesd_models::{HeadKind, LayerHead, Llama, LoadOptions, LoadedModel, NormHead, VocabSubset};
 use statrs::distribution::{ChiSquared, ContinuousCDF};
 
 fn tiny(seed: u64) -> Llama {
@@ -75,12 +75,15 @@ fn greedy_eesd_equals_ar_for_every_layer_policy_and_head() {
                 );
                 assert_eq!(bad.stats.new_tokens, 40);
                 // A trainable head (its own layer and KV cache) over a reduced vocabulary.
-                let layer_head = LayerHead::from_model(&model, exit, exit, Some(&subset)).unwrap();
-                let out = run(&model, &layer_head, policy, &PROMPT, &config);
-                assert_eq!(
-                    out.tokens, ar.tokens,
-                    "seed {seed}, layer {exit}, {policy}, layer head"
-                );
+                for kind in [HeadKind::Layer, HeadKind::Adapter] {
+                    let head =
+                        LayerHead::from_model(&model, kind, exit, exit, Some(&subset)).unwrap();
+                    let out = run(&model, &head, policy, &PROMPT, &config);
+                    assert_eq!(
+                        out.tokens, ar.tokens,
+                        "seed {seed}, layer {exit}, {policy}, {kind:?} head"
+                    );
+                }
                 let out = run(&model, &small_norm, policy, &PROMPT, &config);
                 assert_eq!(
                     out.tokens, ar.tokens,
@@ -407,10 +410,10 @@ fn vocab_subsets_and_head_layers_are_validated() {
     let s = VocabSubset::most_frequent(&[5, 0, 9, 1, 7], 3, &[1]).unwrap();
     assert_eq!(s.ids(), &[1, 2, 4]);
     let model = tiny(9);
-    assert!(LayerHead::from_model(&model, 0, 0, None).is_err());
-    assert!(LayerHead::from_model(&model, 2, 7, None).is_err());
+    assert!(LayerHead::from_model(&model, HeadKind::Layer, 0, 0, None).is_err());
+    assert!(LayerHead::from_model(&model, HeadKind::Layer, 2, 7, None).is_err());
     // A head trained for layer 2 refuses to run at layer 3.
-    let head = LayerHead::from_model(&model, 2, 2, None).unwrap();
+    let head = LayerHead::from_model(&model, HeadKind::Adapter, 2, 2, None).unwrap();
     let mut g = Generator::new(&model).with_head(&head);
     let config = GenerationConfig {
         mode: Mode::Eesd,

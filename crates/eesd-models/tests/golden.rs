@@ -147,3 +147,46 @@ fn block_token_by_token_and_truncation_give_the_same_logits() {
         assert_eq!(argmax(&reference), argmax(v));
     }
 }
+
+#[test]
+fn batched_greedy_decoding_of_all_prompts_matches_one_at_a_time() {
+    let m = model();
+    let goldens = golden();
+    let steps = 24;
+    // One at a time.
+    let mut single = Vec::new();
+    for g in &goldens {
+        let mut cache = m.model.new_cache();
+        let mut logits = m.model.forward_last(&g.prompt_ids, &mut cache).unwrap();
+        let mut out = Vec::new();
+        for _ in 0..steps {
+            let v = logits.into_data().try_into_vec::<f32>().unwrap();
+            out.push(argmax(&v));
+            logits = m
+                .model
+                .forward_last(&out[out.len() - 1..], &mut cache)
+                .unwrap();
+        }
+        single.push(out);
+    }
+    // All prompts (different lengths) in one batch.
+    let mut caches: Vec<_> = goldens.iter().map(|_| m.model.new_cache()).collect();
+    let mut next: Vec<u32> = Vec::new();
+    for (g, cache) in goldens.iter().zip(caches.iter_mut()) {
+        let v = m.model.forward_last(&g.prompt_ids, cache).unwrap();
+        next.push(argmax(&v.into_data().try_into_vec::<f32>().unwrap()));
+    }
+    let mut batched: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
+    let vocab = m.model.config().vocab_size;
+    for _ in 1..steps {
+        let logits = m.model.decode_batch(&next, &mut caches).unwrap();
+        let v = logits.into_data().try_into_vec::<f32>().unwrap();
+        for (s, row) in v.chunks(vocab).enumerate() {
+            next[s] = argmax(row);
+            batched[s].push(next[s]);
+        }
+    }
+    assert_eq!(batched, single);
+    // Bad input is an error, not a panic.
+    assert!(m.model.decode_batch(&[1, 2], &mut caches[..1]).is_err());
+}

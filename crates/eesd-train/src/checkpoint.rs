@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use burn::module::Param;
 use burn::tensor::{Tensor, TensorData};
-use eesd_models::{DecoderLayer, LayerHead, LayerHeadWeights, Llama, VocabSubset};
+use eesd_models::{DecoderLayer, HeadKind, LayerHead, LayerHeadWeights, Llama, VocabSubset};
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -22,7 +22,7 @@ pub const FORMAT_VERSION: u32 = 1;
 pub struct HeadMetadata {
     /// Layout version ([`FORMAT_VERSION`]).
     pub format_version: u32,
-    /// Head kind (`layer`).
+    /// Head kind (`layer` or `adapter`, see [`HeadKind`]).
     pub head_kind: String,
     /// SHA-256 of the base model file the head was trained on.
     pub base_model_sha256: String,
@@ -67,18 +67,22 @@ pub fn checkpoint_paths(prefix: &Path) -> (PathBuf, PathBuf) {
     )
 }
 
+/// The tensors a head of this kind saves (an adapter has no MLP).
 fn tensors_of(w: &LayerHeadWeights) -> Vec<(&'static str, Tensor<2>)> {
     let l = &w.layer;
     let row = |t: Tensor<1>| t.unsqueeze_dim::<2>(0);
-    vec![
+    let mut tensors = vec![
         ("layer.attn_norm", row(l.attn_norm.val())),
         ("layer.wqkv", l.wqkv.val()),
         ("layer.wo", l.wo.val()),
-        ("layer.mlp_norm", row(l.mlp_norm.val())),
-        ("layer.w_gate_up", l.w_gate_up.val()),
-        ("layer.w_down", l.w_down.val()),
         ("norm", row(w.norm.val())),
-    ]
+    ];
+    if w.kind == HeadKind::Layer {
+        tensors.push(("layer.mlp_norm", row(l.mlp_norm.val())));
+        tensors.push(("layer.w_gate_up", l.w_gate_up.val()));
+        tensors.push(("layer.w_down", l.w_down.val()));
+    }
+    tensors
 }
 
 /// Saves a head's weights (`f16 = true`: half precision, half the size) and metadata.
@@ -143,9 +147,10 @@ pub fn load_layer_head(
     base_sha256: Option<&str>,
 ) -> Result<(LayerHead, HeadMetadata)> {
     let meta = read_metadata(prefix)?;
-    if meta.format_version != FORMAT_VERSION || meta.head_kind != "layer" {
+    let kind = meta.head_kind.parse::<HeadKind>();
+    if meta.format_version != FORMAT_VERSION || kind.is_err() {
         return Err(TrainError::Mismatch(format!(
-            "checkpoint is a `{}` head of format {}, expected a `layer` head of format {FORMAT_VERSION}",
+            "checkpoint is a `{}` head of format {}, expected a `layer` or `adapter` head of format {FORMAT_VERSION}",
             meta.head_kind, meta.format_version
         )));
     }
@@ -173,9 +178,11 @@ pub fn load_layer_head(
     };
     let st = SafeTensors::deserialize(&bytes).map_err(|e| malformed(e.to_string()))?;
     let template = &model.layers()[meta.exit_layer];
+    let kind = kind?;
     let expected: BTreeMap<&str, Vec<usize>> = tensors_of(&LayerHeadWeights {
         layer: template.clone(),
         norm: Param::from_tensor(model.final_norm().clone()),
+        kind,
     })
     .into_iter()
     .map(|(n, t)| (n, t.dims().to_vec()))
@@ -213,18 +220,21 @@ pub fn load_layer_head(
         Ok(Tensor::from_data(TensorData::new(values, shape), device))
     };
     let flat = |t: Tensor<2>| t.reshape([-1]);
-    let layer = DecoderLayer {
+    let mut layer = DecoderLayer {
         attn_norm: Param::from_tensor(flat(read("layer.attn_norm")?)),
         wqkv: Param::from_tensor(read("layer.wqkv")?),
         wo: Param::from_tensor(read("layer.wo")?),
-        mlp_norm: Param::from_tensor(flat(read("layer.mlp_norm")?)),
-        w_gate_up: Param::from_tensor(read("layer.w_gate_up")?),
-        w_down: Param::from_tensor(read("layer.w_down")?),
         ..template.clone()
     };
+    if kind == HeadKind::Layer {
+        layer.mlp_norm = Param::from_tensor(flat(read("layer.mlp_norm")?));
+        layer.w_gate_up = Param::from_tensor(read("layer.w_gate_up")?);
+        layer.w_down = Param::from_tensor(read("layer.w_down")?);
+    }
     let weights = LayerHeadWeights {
         layer,
         norm: Param::from_tensor(flat(read("norm")?)),
+        kind,
     };
     let subset = meta
         .vocab_subset

@@ -12,7 +12,7 @@ use burn::optim::grad_clipping::GradientClippingConfig;
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use eesd_models::layer::{AttentionContext, linear, rms_norm};
+use eesd_models::layer::{AttentionContext, linear};
 use eesd_models::rope::Rope;
 use eesd_models::{LayerHead, LayerHeadWeights, Llama, VocabSubset};
 use serde::{Deserialize, Serialize};
@@ -178,7 +178,7 @@ impl<'m> Distiller<'m> {
             .into_data()
             .convert::<i64>()
             .try_into_vec::<i64>()
-            .map_err(|e| TrainError::InvalidConfig(format!("{e:?}")))?
+            .map_err(|e| TrainError::TensorData(format!("{e:?}")))?
             .into_iter()
             .map(|v| v as u32)
             .collect();
@@ -204,11 +204,7 @@ impl<'m> Distiller<'m> {
             c.num_kv_heads,
             c.num_heads / c.num_kv_heads,
         );
-        let h = self
-            .weights
-            .layer
-            .forward(hidden, &self.rope, &ctx, None, c.context_length)?;
-        let h = rms_norm(h, self.weights.norm.val(), c.rms_norm_eps);
+        let h = self.weights.forward(hidden, &self.rope, &ctx, None, c)?;
         Ok(log_softmax(linear(h, self.projection.clone()), 1))
     }
 
@@ -263,7 +259,7 @@ impl<'m> Distiller<'m> {
                 .into_data()
                 .convert::<i64>()
                 .try_into_vec::<i64>()
-                .map_err(|e| TrainError::InvalidConfig(format!("{e:?}")))?;
+                .map_err(|e| TrainError::TensorData(format!("{e:?}")))?;
             let ok: Vec<bool> = picks
                 .iter()
                 .zip(&teacher.argmax[from..])

@@ -28,6 +28,9 @@ pub enum TrainError {
     /// A training setting out of range.
     #[error("invalid training config: {0}")]
     InvalidConfig(String),
+    /// Tensor data could not be read back as the expected element type.
+    #[error("tensor data: {0}")]
+    TensorData(String),
     /// The model failed.
     #[error(transparent)]
     Model(#[from] eesd_models::ModelError),

@@ -6,10 +6,11 @@ use burn::tensor::Tensor;
 use eesd_bandit::Policy;
 use eesd_core::{Backend, DraftHead, GenerationConfig, Generator, Mode};
 use eesd_models::testing::{tiny_config, tiny_gguf_bytes};
-use eesd_models::{LayerHead, Llama, LoadOptions, LoadedModel, VocabSubset};
+use eesd_models::{HeadKind, LayerHead, Llama, LoadOptions, LoadedModel, VocabSubset};
 use eesd_train::checkpoint::FORMAT_VERSION;
 use eesd_train::{
-    DistillConfig, Distiller, HeadMetadata, Sequence, TrainError, load_layer_head, save_layer_head,
+    AnswerConfig, DistillConfig, Distiller, HeadMetadata, Sequence, TrainError, generate_answers,
+    load_layer_head, save_layer_head,
 };
 
 fn tiny(seed: u64) -> Llama {
@@ -45,6 +46,12 @@ fn self_generated(model: &Llama, n: usize, len: usize) -> Vec<Sequence> {
 
 #[test]
 fn distillation_lowers_the_held_out_kl() {
+    for kind in [HeadKind::Layer, HeadKind::Adapter] {
+        distillation_lowers_the_held_out_kl_for(kind);
+    }
+}
+
+fn distillation_lowers_the_held_out_kl_for(kind: HeadKind) {
     let model = tiny(21);
     let data = self_generated(&model, 40, 20);
     // A tiny random model's own answers fall into easy loops, so score every position here
@@ -55,7 +62,7 @@ fn distillation_lowers_the_held_out_kl() {
         .collect();
     let (train, held_out) = data.split_at(32);
     // A deliberately poor start: layer 3's weights used as the exit head of layer 1.
-    let head = LayerHead::from_model(&model, 1, 3, None).unwrap();
+    let head = LayerHead::from_model(&model, kind, 1, 3, None).unwrap();
     let config = DistillConfig {
         learning_rate: 3e-3,
         warmup_steps: 5,
@@ -70,7 +77,7 @@ fn distillation_lowers_the_held_out_kl() {
     let after = d.evaluate(held_out, 4).unwrap();
     assert!(
         after.kl < 0.7 * before.kl,
-        "held-out KL {} -> {}",
+        "{kind:?}: held-out KL {} -> {}",
         before.kl,
         after.kl
     );
@@ -88,10 +95,10 @@ fn distillation_lowers_the_held_out_kl() {
     assert_eq!(m.positions, seq.tokens.len() - 4);
 }
 
-fn metadata(model: &Llama, exit: usize, subset: Option<Vec<u32>>) -> HeadMetadata {
+fn metadata(model: &Llama, kind: HeadKind, exit: usize, subset: Option<Vec<u32>>) -> HeadMetadata {
     HeadMetadata {
         format_version: FORMAT_VERSION,
-        head_kind: "layer".into(),
+        head_kind: kind.name().into(),
         base_model_sha256: "abc".into(),
         base_model_name: "tiny.gguf".into(),
         exit_layer: exit,
@@ -118,11 +125,17 @@ fn draft(model: &Llama, head: &LayerHead, tokens: &[u32]) -> Vec<f32> {
 
 #[test]
 fn checkpoints_round_trip_and_refuse_other_models() {
+    for kind in [HeadKind::Layer, HeadKind::Adapter] {
+        checkpoints_round_trip_for(kind);
+    }
+}
+
+fn checkpoints_round_trip_for(kind: HeadKind) {
     let model = tiny(22);
     let subset = VocabSubset::new((0..100).collect(), 259).unwrap();
     let mut d = Distiller::new(
         &model,
-        LayerHead::from_model(&model, 2, 2, Some(&subset)).unwrap(),
+        LayerHead::from_model(&model, kind, 2, 2, Some(&subset)).unwrap(),
         DistillConfig::default(),
     )
     .unwrap();
@@ -136,18 +149,19 @@ fn checkpoints_round_trip_and_refuse_other_models() {
     save_layer_head(
         &prefix,
         &head,
-        &metadata(&model, 2, Some((0..100).collect())),
+        &metadata(&model, kind, 2, Some((0..100).collect())),
         false,
     )
     .unwrap();
     let (loaded, meta) = load_layer_head(&prefix, &model, Some("abc")).unwrap();
     assert_eq!(meta.exit_layer, 2);
+    assert_eq!(loaded.kind(), kind);
     // f32 checkpoints restore the weights bit for bit; the logits may differ in the last bits
     // only because a fresh tensor's memory layout can change the kernel's summation order.
     let bits = |h: &LayerHead| {
         h.weights()
             .layer
-            .w_gate_up
+            .wqkv
             .val()
             .into_data()
             .convert::<f32>()
@@ -165,7 +179,7 @@ fn checkpoints_round_trip_and_refuse_other_models() {
     save_layer_head(
         &prefix,
         &head,
-        &metadata(&model, 2, Some((0..100).collect())),
+        &metadata(&model, kind, 2, Some((0..100).collect())),
         true,
     )
     .unwrap();
@@ -182,12 +196,12 @@ fn checkpoints_round_trip_and_refuse_other_models() {
         load_layer_head(&prefix, &model, Some("def")),
         Err(TrainError::Mismatch(_))
     ));
-    save_layer_head(&prefix, &head, &metadata(&model, 7, None), true).unwrap();
+    save_layer_head(&prefix, &head, &metadata(&model, kind, 7, None), true).unwrap();
     assert!(matches!(
         load_layer_head(&prefix, &model, None),
         Err(TrainError::Mismatch(_))
     ));
-    save_layer_head(&prefix, &head, &metadata(&model, 2, None), true).unwrap();
+    save_layer_head(&prefix, &head, &metadata(&model, kind, 2, None), true).unwrap();
     let st = prefix.with_extension("safetensors");
     let bytes = std::fs::read(&st).unwrap();
     std::fs::write(&st, &bytes[..bytes.len() / 3]).unwrap();
@@ -211,7 +225,7 @@ fn a_trained_reduced_vocabulary_head_keeps_eesd_lossless() {
     let model = tiny(23);
     let data = self_generated(&model, 12, 16);
     let subset = VocabSubset::new((0..259).step_by(3).collect(), 259).unwrap();
-    let head = LayerHead::from_model(&model, 2, 2, Some(&subset)).unwrap();
+    let head = LayerHead::from_model(&model, HeadKind::Adapter, 2, 2, Some(&subset)).unwrap();
     let mut d = Distiller::new(
         &model,
         head,
@@ -269,4 +283,47 @@ fn schedule_warms_up_then_decays() {
         .validate()
         .is_err()
     );
+}
+
+#[test]
+fn batched_answer_generation_equals_one_at_a_time_generation() {
+    let model = tiny(5);
+    let expected = self_generated(&model, 7, 12);
+    let prompts: Vec<Vec<u32>> = expected
+        .iter()
+        .map(|s| s.tokens[..s.prompt_len].to_vec())
+        .collect();
+    for batch in [1, 3, 16] {
+        let config = AnswerConfig {
+            max_new_tokens: 12,
+            stop_tokens: vec![],
+            batch,
+        };
+        let mut got = vec![None; prompts.len()];
+        generate_answers(&model, prompts.clone(), &config, |i, seq| {
+            got[i] = Some(seq);
+            Ok(())
+        })
+        .unwrap();
+        let got: Vec<Sequence> = got.into_iter().map(Option::unwrap).collect();
+        assert_eq!(got, expected, "batch {batch}");
+    }
+    // A stop token ends an answer early, and bad settings are errors.
+    let stop = expected[0].tokens[expected[0].prompt_len + 2];
+    let config = AnswerConfig {
+        max_new_tokens: 12,
+        stop_tokens: vec![stop],
+        batch: 2,
+    };
+    generate_answers(&model, prompts[..1].to_vec(), &config, |_, seq| {
+        assert_eq!(seq.tokens.last(), Some(&stop));
+        assert!(seq.tokens.len() <= expected[0].prompt_len + 3);
+        Ok(())
+    })
+    .unwrap();
+    let bad = AnswerConfig { batch: 0, ..config };
+    assert!(matches!(
+        generate_answers(&model, prompts, &bad, |_, _| Ok(())),
+        Err(TrainError::InvalidConfig(_))
+    ));
 }

@@ -1,0 +1,127 @@
+//! Self-generated training data: the frozen model's own greedy answers to training prompts.
+//!
+//! Decoding is memory-bound, so answers are generated for several prompts at once
+//! ([`Llama::decode_batch`]): each step streams the weights once for every active sequence.
+//! Slots are refilled as soon as a sequence finishes (continuous batching), so a long answer
+//! does not hold the others back.
+
+use burn::tensor::Tensor;
+use eesd_core::sampling::argmax;
+use eesd_models::{KvCache, Llama};
+
+use crate::distill::Sequence;
+use crate::error::{Result, TrainError};
+
+/// Settings of [`generate_answers`].
+#[derive(Debug, Clone)]
+pub struct AnswerConfig {
+    /// Answer length cap in tokens.
+    pub max_new_tokens: usize,
+    /// Tokens that end an answer (kept in the sequence).
+    pub stop_tokens: Vec<u32>,
+    /// Sequences decoded together (1 = one at a time).
+    pub batch: usize,
+}
+
+/// One sequence being answered.
+struct Slot {
+    index: usize,
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    cache: KvCache,
+}
+
+/// Answers every prompt greedily with the frozen `model` and hands each finished [`Sequence`]
+/// (prompt + answer) to `on_sequence` with the prompt's index in `prompts`, in completion order. Prompts must be non-empty and
+/// leave room for the answer inside the model's context.
+pub fn generate_answers(
+    model: &Llama,
+    prompts: impl IntoIterator<Item = Vec<u32>>,
+    config: &AnswerConfig,
+    mut on_sequence: impl FnMut(usize, Sequence) -> Result<()>,
+) -> Result<()> {
+    if config.batch == 0 || config.max_new_tokens == 0 {
+        return Err(TrainError::InvalidConfig(
+            "answer generation needs batch ≥ 1 and max_new_tokens ≥ 1".into(),
+        ));
+    }
+    let context = model.config().context_length;
+    let mut prompts = prompts.into_iter().enumerate();
+    let mut slots: Vec<Slot> = Vec::with_capacity(config.batch);
+    loop {
+        // Refill free slots: prefill the prompt and take its first answer token.
+        while slots.len() < config.batch {
+            let Some((index, prompt)) = prompts.next() else {
+                break;
+            };
+            if prompt.is_empty() || prompt.len() + config.max_new_tokens > context {
+                return Err(TrainError::InvalidConfig(format!(
+                    "a prompt of {} tokens plus {} answer tokens does not fit the context of {context}",
+                    prompt.len(),
+                    config.max_new_tokens
+                )));
+            }
+            let mut cache = model.new_cache();
+            let logits = model.forward_last(&prompt, &mut cache)?;
+            let mut slot = Slot {
+                index,
+                prompt_len: prompt.len(),
+                tokens: prompt,
+                cache,
+            };
+            slot.tokens.push(greedy(logits.unsqueeze_dim(0))?[0]);
+            if finished(&slot, config) {
+                on_sequence(slot.index, into_sequence(slot))?;
+            } else {
+                slots.push(slot);
+            }
+        }
+        if slots.is_empty() {
+            return Ok(());
+        }
+        // One token for every active sequence.
+        let last: Vec<u32> = slots.iter().map(|s| s.tokens[s.tokens.len() - 1]).collect();
+        let mut caches: Vec<KvCache> = slots
+            .iter_mut()
+            .map(|s| std::mem::replace(&mut s.cache, KvCache::new(0)))
+            .collect();
+        let logits = model.decode_batch(&last, &mut caches)?;
+        let next = greedy(logits)?;
+        let mut kept = Vec::with_capacity(slots.len());
+        for ((mut slot, cache), token) in slots.into_iter().zip(caches).zip(next) {
+            slot.cache = cache;
+            slot.tokens.push(token);
+            if finished(&slot, config) {
+                on_sequence(slot.index, into_sequence(slot))?;
+            } else {
+                kept.push(slot);
+            }
+        }
+        slots = kept;
+    }
+}
+
+fn finished(slot: &Slot, config: &AnswerConfig) -> bool {
+    let answer = &slot.tokens[slot.prompt_len..];
+    answer.len() >= config.max_new_tokens
+        || answer
+            .last()
+            .is_some_and(|t| config.stop_tokens.contains(t))
+}
+
+fn into_sequence(slot: Slot) -> Sequence {
+    Sequence {
+        tokens: slot.tokens,
+        prompt_len: slot.prompt_len,
+    }
+}
+
+/// Argmax of each row of `logits: [b, vocab]`.
+fn greedy(logits: Tensor<2>) -> Result<Vec<u32>> {
+    let [_, vocab] = logits.dims();
+    let values = logits
+        .into_data()
+        .try_into_vec::<f32>()
+        .map_err(|e| TrainError::TensorData(format!("{e:?}")))?;
+    Ok(values.chunks(vocab).map(|row| argmax(row) as u32).collect())
+}
