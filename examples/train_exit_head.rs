@@ -66,9 +66,16 @@ struct Args {
     /// Peak learning rate.
     #[arg(long, default_value_t = 5e-4)]
     lr: f64,
+    /// Weight of the extra cross-entropy term on the full model's greedy token (0 = KL only).
+    #[arg(long, default_value_t = 0.0)]
+    ce_weight: f32,
     /// Evaluate every this many steps.
     #[arg(long, default_value_t = 100)]
     eval_every: usize,
+    /// Training data file (default `OUT.data.jsonl`); several runs (e.g. an exit-layer sweep)
+    /// can share one.
+    #[arg(long)]
+    data: Option<PathBuf>,
     /// Output prefix.
     #[arg(long, default_value = "heads/smollm2-head")]
     out: PathBuf,
@@ -106,7 +113,10 @@ fn main() -> Result<()> {
     }
 
     // (1) The model's own answers, resumable.
-    let data_path = args.out.with_extension("data.jsonl");
+    let data_path = args
+        .data
+        .clone()
+        .unwrap_or_else(|| args.out.with_extension("data.jsonl"));
     // Lines are written as answers finish (batched generation finishes out of order), each
     // tagged with its prompt, so a resumed run answers exactly the missing prompts.
     let mut records: Vec<Record> = match std::fs::read_to_string(&data_path) {
@@ -192,6 +202,7 @@ fn main() -> Result<()> {
     let (held_out, train) = data.split_at(held);
     let config = DistillConfig {
         learning_rate: args.lr,
+        ce_weight: args.ce_weight,
         warmup_steps: args.steps / 20,
         total_steps: args.steps,
         ..Default::default()
@@ -243,7 +254,7 @@ fn main() -> Result<()> {
         vocab_subset: subset.as_ref().map(|s| s.ids().to_vec()),
         training: serde_json::json!({
             "distill": config, "init_layer": init, "prompts": args.num_prompts, "sequences": data.len(),
-            "held_out": held, "answer_tokens": args.answer_tokens, "loss": "KL(teacher || student) over the draft vocabulary",
+            "held_out": held, "answer_tokens": args.answer_tokens, "loss": format!("KL(teacher || student) over the draft vocabulary + {} x CE(greedy token)", args.ce_weight),
             "generation_seconds": generation_seconds, "total_seconds": started.elapsed().as_secs_f64(),
         }),
         metrics: serde_json::json!({ "before": before, "after": after, "history": history }),

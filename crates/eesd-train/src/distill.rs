@@ -32,6 +32,13 @@ pub struct DistillConfig {
     pub weight_decay: f32,
     /// Gradient clipping by global norm.
     pub grad_clip_norm: f32,
+    /// Weight of an extra cross-entropy term on the full model's greedy token at each position
+    /// (on answer positions that is the self-generated next token). 0 = pure KL. KL teaches
+    /// the whole distribution (what speculative sampling accepts); CE pushes probability onto
+    /// the one token greedy verification accepts. Positions whose greedy token is outside the
+    /// draft vocabulary are skipped.
+    #[serde(default)]
+    pub ce_weight: f32,
 }
 
 impl Default for DistillConfig {
@@ -42,6 +49,7 @@ impl Default for DistillConfig {
             total_steps: 400,
             weight_decay: 0.01,
             grad_clip_norm: 1.0,
+            ce_weight: 0.0,
         }
     }
 }
@@ -49,6 +57,12 @@ impl Default for DistillConfig {
 impl DistillConfig {
     /// Checks ranges.
     pub fn validate(&self) -> Result<()> {
+        if !(self.ce_weight >= 0.0 && self.ce_weight.is_finite()) {
+            return Err(TrainError::InvalidConfig(format!(
+                "ce_weight {} must be a non-negative number",
+                self.ce_weight
+            )));
+        }
         if !(self.learning_rate > 0.0 && self.learning_rate.is_finite()) || self.total_steps == 0 {
             return Err(TrainError::InvalidConfig(format!(
                 "learning rate {} and total steps {} must be positive",
@@ -117,6 +131,8 @@ pub struct Distiller<'m> {
     rope: Rope,
     projection: Tensor<2>,
     subset_ids: Option<Tensor<1, Int>>,
+    /// Column of each full-vocabulary token in the draft vocabulary (`None`: outside it).
+    column: Vec<Option<usize>>,
 }
 
 impl<'m> Distiller<'m> {
@@ -145,6 +161,17 @@ impl<'m> Distiller<'m> {
             .with_weight_decay(config.weight_decay)
             .with_grad_clipping(Some(GradientClippingConfig::Norm(config.grad_clip_norm)))
             .init();
+        let vocab = model.config().vocab_size;
+        let column = match &subset {
+            Some(s) => {
+                let mut column = vec![None; vocab];
+                for (i, &id) in s.ids().iter().enumerate() {
+                    column[id as usize] = Some(i);
+                }
+                column
+            }
+            None => (0..vocab).map(Some).collect(),
+        };
         let weights = head.into_weights().fork(&train_device).train();
         Ok(Distiller {
             model,
@@ -158,6 +185,7 @@ impl<'m> Distiller<'m> {
             rope,
             projection,
             subset_ids,
+            column,
         })
     }
 
@@ -208,6 +236,26 @@ impl<'m> Distiller<'m> {
         Ok(log_softmax(linear(h, self.projection.clone()), 1))
     }
 
+    /// Mean −log q(greedy token) over positions whose greedy token is in the draft vocabulary.
+    fn greedy_ce(&self, student: Tensor<2>, greedy: &[u32]) -> Tensor<1> {
+        let (cols, mask): (Vec<i32>, Vec<f32>) = greedy
+            .iter()
+            .map(|&g| match self.column.get(g as usize).copied().flatten() {
+                Some(c) => (c as i32, 1.0),
+                None => (0, 0.0),
+            })
+            .unzip();
+        let t = cols.len();
+        let kept = mask.iter().sum::<f32>().max(1.0) as f64;
+        let device = &self.train_device;
+        let cols = Tensor::<2, Int>::from_data(TensorData::new(cols, [t, 1]), device);
+        let mask = Tensor::<2>::from_data(TensorData::new(mask, [t, 1]), device);
+        (student.gather(1, cols) * mask)
+            .sum()
+            .neg()
+            .div_scalar(kept)
+    }
+
     fn kl(teacher: Tensor<2>, student: Tensor<2>) -> Tensor<1> {
         let t = teacher.dims()[0] as f64;
         (teacher.clone().exp() * (teacher - student))
@@ -225,7 +273,11 @@ impl<'m> Distiller<'m> {
         let teacher = self.teacher(tokens)?;
         let hidden = teacher.hidden.to_device(&self.train_device);
         let target = teacher.log_probs.to_device(&self.train_device);
-        let loss = Self::kl(target, self.student(hidden)?);
+        let student = self.student(hidden)?;
+        let mut loss = Self::kl(target, student.clone());
+        if self.config.ce_weight > 0.0 {
+            loss = loss + self.greedy_ce(student, &teacher.argmax) * self.config.ce_weight;
+        }
         let value = loss.clone().into_scalar::<f32>() as f64;
         let grads = GradientsParams::from_grads(loss.backward(), &self.weights);
         let lr = self.config.learning_rate_at(self.step);

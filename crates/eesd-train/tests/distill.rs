@@ -46,12 +46,21 @@ fn self_generated(model: &Llama, n: usize, len: usize) -> Vec<Sequence> {
 
 #[test]
 fn distillation_lowers_the_held_out_kl() {
-    for kind in [HeadKind::Layer, HeadKind::Adapter] {
-        distillation_lowers_the_held_out_kl_for(kind);
+    for (kind, ce_weight) in [
+        (HeadKind::Layer, 0.0),
+        (HeadKind::Adapter, 0.0),
+        (HeadKind::Layer, 0.5),
+    ] {
+        distillation_lowers_the_held_out_kl_for(kind, ce_weight);
     }
+    let bad = DistillConfig {
+        ce_weight: -1.0,
+        ..Default::default()
+    };
+    assert!(matches!(bad.validate(), Err(TrainError::InvalidConfig(_))));
 }
 
-fn distillation_lowers_the_held_out_kl_for(kind: HeadKind) {
+fn distillation_lowers_the_held_out_kl_for(kind: HeadKind, ce_weight: f32) {
     let model = tiny(21);
     let data = self_generated(&model, 40, 20);
     // A tiny random model's own answers fall into easy loops, so score every position here
@@ -67,6 +76,7 @@ fn distillation_lowers_the_held_out_kl_for(kind: HeadKind) {
         learning_rate: 3e-3,
         warmup_steps: 5,
         total_steps: 96,
+        ce_weight,
         ..Default::default()
     };
     let mut d = Distiller::new(&model, head, config).unwrap();

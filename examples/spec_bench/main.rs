@@ -8,8 +8,11 @@
 //! AR on the same prompt (first turn, chat template), so machine drift cancels in the speedup, and
 //! every method's tokens are compared with AR's: `divergences` must be 0.
 
+mod plots;
+
 use std::collections::BTreeMap;
 use std::ops::ControlFlow;
+use std::path::Path;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
@@ -107,6 +110,16 @@ struct Totals {
     verify_seconds: f64,
     divergences: usize,
     accepted_histogram: Vec<usize>,
+    drafted_histogram: Vec<usize>,
+}
+
+fn add_histogram(total: &mut Vec<usize>, add: &[usize]) {
+    if total.len() < add.len() {
+        total.resize(add.len(), 0);
+    }
+    for (t, n) in total.iter_mut().zip(add) {
+        *t += n;
+    }
 }
 
 impl Totals {
@@ -119,12 +132,8 @@ impl Totals {
         self.draft_seconds += s.draft_seconds;
         self.verify_seconds += s.verify_seconds;
         self.divergences += diverged as usize;
-        for (i, n) in s.accepted_histogram.iter().enumerate() {
-            if self.accepted_histogram.len() <= i {
-                self.accepted_histogram.resize(i + 1, 0);
-            }
-            self.accepted_histogram[i] += n;
-        }
+        add_histogram(&mut self.accepted_histogram, &s.accepted_histogram);
+        add_histogram(&mut self.drafted_histogram, &s.drafted_histogram);
     }
 
     fn tokens_per_second(&self) -> f64 {
@@ -139,6 +148,7 @@ impl Totals {
             "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds,
             "divergences": self.divergences, "tokens": self.tokens, "runs": self.runs,
             "accepted_histogram": self.accepted_histogram,
+            "drafted_histogram": self.drafted_histogram,
         })
     }
 }
@@ -286,12 +296,62 @@ fn main() -> Result<()> {
             dir.join("results.json"),
             serde_json::to_string_pretty(&report)?,
         )?;
+        write_plots(dir, &names, &totals)?;
     }
     if args.json {
         println!("{report}");
     } else {
         println!("{table}");
         println!("divergences from AR: {divergences}");
+    }
+    Ok(())
+}
+
+/// `speedup.svg` (per category and method), `accepted.svg` (tokens accepted per round) and
+/// `draft_length.svg` (drafts per round chosen by each method's policy).
+fn write_plots(dir: &Path, names: &[String], totals: &[BTreeMap<String, Totals>]) -> Result<()> {
+    let categories: Vec<String> = totals[0].keys().cloned().collect();
+    let speedups: Vec<(String, Vec<f64>)> = names[1..]
+        .iter()
+        .zip(&totals[1..])
+        .map(|(name, t)| {
+            let v = categories
+                .iter()
+                .map(|c| t[c].tokens_per_second() / totals[0][c].tokens_per_second())
+                .collect();
+            (name.clone(), v)
+        })
+        .collect();
+    plots::grouped_bars(
+        &dir.join("speedup.svg"),
+        "EESD speedup over AR (same run, greedy)",
+        &categories,
+        "tokens/s ÷ AR tokens/s",
+        &speedups,
+    )?;
+    for (file, title, desc, pick) in [
+        (
+            "accepted.svg",
+            "Accepted drafts per round",
+            "fraction of rounds",
+            (|t: &Totals| t.accepted_histogram.clone()) as fn(&Totals) -> Vec<usize>,
+        ),
+        (
+            "draft_length.svg",
+            "Draft length chosen per round",
+            "fraction of rounds",
+            |t: &Totals| t.drafted_histogram.clone(),
+        ),
+    ] {
+        let histograms: Vec<Vec<usize>> = totals[1..].iter().map(|t| pick(&t["overall"])).collect();
+        let bins = histograms.iter().map(Vec::len).max().unwrap_or(1).max(1);
+        let series = names[1..]
+            .iter()
+            .zip(&histograms)
+            .map(|(n, h)| (n.clone(), plots::fractions(h, bins)))
+            .collect::<Vec<_>>();
+        let labels: Vec<String> = (0..bins).map(|i| i.to_string()).collect();
+        plots::grouped_bars(&dir.join(file), title, &labels, desc, &series)?;
     }
     Ok(())
 }
