@@ -37,9 +37,10 @@ struct Args {
     /// Exit layer N for EESD (default: the trained head's layer, or 8 with `--head norm`).
     #[arg(long)]
     exit_layer: Option<usize>,
-    /// Exit head: `norm` (the model's own final norm + LM head) or the path prefix of a trained
-    /// head checkpoint (`PREFIX.safetensors` + `PREFIX.json`).
-    #[arg(long, default_value = "norm")]
+    /// Exit head: `shipped` (the trained head in assets/heads, for SmolLM2-135M-Instruct),
+    /// `norm` (the model's own final norm + LM head, no training) or the path prefix of a
+    /// trained head checkpoint (`PREFIX.safetensors` + `PREFIX.json`).
+    #[arg(long, default_value = "shipped")]
     head: String,
     /// Draft-length policy: fixed:K, threshold:T, beta-ts, calibrated-ts or cost-ts.
     #[arg(long, default_value = "cost-ts")]
@@ -115,8 +116,12 @@ fn main() -> Result<()> {
         )
     } else {
         let sha = file_sha256(&path)?;
-        let (head, _) = load_layer_head(std::path::Path::new(&args.head), &lm.model, Some(&sha))
-            .with_context(|| format!("loading head {}", args.head))?;
+        let prefix = match args.head.as_str() {
+            "shipped" => eesd::SHIPPED_HEAD,
+            other => other,
+        };
+        let (head, _) = load_layer_head(std::path::Path::new(prefix), &lm.model, Some(&sha))
+            .with_context(|| format!("loading head {prefix} (`--head norm` needs no file)"))?;
         (AnyHead::Layer(Box::new(head)), args.exit_layer)
     };
     let policy = Policy::parse(&args.policy, args.seed)?;

@@ -69,6 +69,9 @@ struct Args {
     /// Weight of the extra cross-entropy term on the full model's greedy token (0 = KL only).
     #[arg(long, default_value_t = 0.0)]
     ce_weight: f32,
+    /// Sequences held out for evaluation (the first ones of the data).
+    #[arg(long, default_value_t = 40)]
+    held_out: usize,
     /// Evaluate every this many steps.
     #[arg(long, default_value_t = 100)]
     eval_every: usize,
@@ -197,8 +200,8 @@ fn main() -> Result<()> {
         );
     }
 
-    // (3) Train with a held-out tenth.
-    let held = (data.len() / 10).max(1);
+    // (3) Train, holding the first `--held-out` sequences out for evaluation.
+    let held = args.held_out.clamp(1, data.len().saturating_sub(1).max(1));
     let (held_out, train) = data.split_at(held);
     let config = DistillConfig {
         learning_rate: args.lr,

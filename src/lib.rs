@@ -47,3 +47,12 @@ pub use eesd_bandit as bandit;
 pub use eesd_core as core;
 pub use eesd_models as models;
 pub use eesd_train as train;
+
+/// Path prefix of the exit head shipped for SmolLM2-135M-Instruct (`PREFIX.safetensors`, f16,
+/// and `PREFIX.json`), trained by `examples/train_exit_head.rs`; load it with
+/// [`train::load_layer_head`]. The checkpoint records the base model's SHA-256, so loading it
+/// for another model is an error.
+pub const SHIPPED_HEAD: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/assets/heads/smollm2-135m-instruct"
+);

@@ -17,6 +17,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
+use eesd::SHIPPED_HEAD;
 use eesd::bandit::Policy;
 use eesd::core::{Backend, GenerationConfig, GenerationOutput, Generator, Mode};
 use eesd::models::{AnyHead, Llama, LoadOptions, LoadedModel, NormHead, WeightDType, fetch};
@@ -35,11 +36,14 @@ struct Args {
     /// New tokens per answer.
     #[arg(long, default_value_t = 128)]
     max_new_tokens: usize,
-    /// Methods besides AR, comma-separated `HEAD@LAYER/POLICY`.
+    /// Methods besides AR, comma-separated `HEAD[@LAYER]/POLICY`: HEAD is `shipped` (the
+    /// trained head in assets/heads), a checkpoint prefix, or `norm@LAYER` (the parameter-free
+    /// baseline); POLICY as `Policy::parse` (fixed:K, threshold:T, beta-ts, calibrated-ts,
+    /// cost-ts).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "norm@8/cost-ts,norm@8/fixed:2,norm@16/cost-ts"
+        default_value = "shipped/cost-ts,shipped/calibrated-ts,shipped/beta-ts,shipped/threshold:0.6,shipped/fixed:1,shipped/fixed:2,shipped/fixed:4,norm@12/cost-ts"
     )]
     methods: Vec<String>,
     /// Model file or directory (default: the cached SmolLM2, fetched if absent).
@@ -70,26 +74,34 @@ struct Method {
     head: AnyHead,
 }
 
+/// `HEAD[@LAYER]/POLICY`: HEAD is `norm` (needs `@LAYER`), `shipped` (the head in
+/// `assets/heads`) or a checkpoint prefix; a trained head's layer defaults to its own.
 fn parse_method(spec: &str, seed: u64, lm: &LoadedModel, model_sha: &str) -> Result<Method> {
-    let (head, rest) = spec
-        .split_once('@')
-        .context("method must be HEAD@LAYER/POLICY")?;
-    let (layer, policy) = rest
+    let (head, policy) = spec
         .split_once('/')
-        .context("method must be HEAD@LAYER/POLICY")?;
-    let exit_layer: usize = layer.parse()?;
-    let head = if head == "norm" {
-        AnyHead::Norm(NormHead::new())
+        .context("method must be HEAD[@LAYER]/POLICY")?;
+    let (head, layer) = match head.split_once('@') {
+        Some((h, l)) => (h, Some(l.parse::<usize>()?)),
+        None => (head, None),
+    };
+    let (head, exit_layer) = if head == "norm" {
+        let layer = layer.context("the norm head needs an exit layer: norm@LAYER/POLICY")?;
+        (AnyHead::Norm(NormHead::new()), layer)
     } else {
-        let (h, meta) = load_layer_head(std::path::Path::new(head), &lm.model, Some(model_sha))
+        let path = if head == "shipped" {
+            SHIPPED_HEAD
+        } else {
+            head
+        };
+        let (h, meta) = load_layer_head(std::path::Path::new(path), &lm.model, Some(model_sha))
             .with_context(|| format!("head `{head}` of method `{spec}`"))?;
-        if meta.exit_layer != exit_layer {
+        if layer.is_some_and(|l| l != meta.exit_layer) {
             bail!(
-                "head `{head}` was trained for layer {}, method `{spec}` asks for {exit_layer}",
+                "head `{head}` was trained for layer {}, method `{spec}` asks for another",
                 meta.exit_layer
             );
         }
-        AnyHead::Layer(Box::new(h))
+        (AnyHead::Layer(Box::new(h)), meta.exit_layer)
     };
     Ok(Method {
         name: spec.to_string(),
@@ -106,6 +118,7 @@ struct Totals {
     tokens: usize,
     seconds: f64,
     rounds: usize,
+    drafted: usize,
     draft_seconds: f64,
     verify_seconds: f64,
     divergences: usize,
@@ -129,6 +142,7 @@ impl Totals {
         self.tokens += s.new_tokens;
         self.seconds += s.seconds;
         self.rounds += s.rounds;
+        self.drafted += s.drafted;
         self.draft_seconds += s.draft_seconds;
         self.verify_seconds += s.verify_seconds;
         self.divergences += diverged as usize;
@@ -146,6 +160,10 @@ impl Totals {
             "speedup": self.tokens_per_second() / ar.tokens_per_second(),
             "mean_accepted": self.tokens as f64 / self.rounds.max(1) as f64,
             "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds,
+            "drafted": self.drafted,
+            // Seconds per drafted token ÷ seconds per AR token: what one draft costs.
+            "draft_cost": (self.draft_seconds / self.drafted.max(1) as f64)
+                / (ar.seconds / ar.tokens.max(1) as f64),
             "divergences": self.divergences, "tokens": self.tokens, "runs": self.runs,
             "accepted_histogram": self.accepted_histogram,
             "drafted_histogram": self.drafted_histogram,
@@ -275,16 +293,21 @@ fn main() -> Result<()> {
     });
 
     let mut table = String::from(
-        "| method | category | tokens/s | speedup | mean accepted | divergences |\n|---|---|---|---|---|---|\n",
+        "| method | category | tokens/s | speedup | mean accepted | draft cost | divergences |\n|---|---|---|---|---|---|---|\n",
     );
     for (name, t) in names.iter().zip(&totals) {
         for (cat, v) in t {
             let ar = &totals[0][cat];
             table += &format!(
-                "| {name} | {cat} | {:.1} | {:.2}x | {:.2} | {} |\n",
+                "| {name} | {cat} | {:.1} | {:.2}x | {:.2} | {} | {} |\n",
                 v.tokens_per_second(),
                 v.tokens_per_second() / ar.tokens_per_second(),
                 v.tokens as f64 / v.rounds.max(1) as f64,
+                if v.drafted > 0 {
+                    format!("{:.2}", v.summary(ar)["draft_cost"].as_f64().unwrap_or(0.0))
+                } else {
+                    "-".into()
+                },
                 v.divergences
             );
         }
