@@ -266,7 +266,10 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
         // only needs its cache filled (its logits for prompt positions are never used).
         let start = Instant::now();
         let p = prompt.len();
-        let mut pending_head: Option<Tensor<2>> = None;
+        // Layer-N states of committed positions the head has not seen yet (the prompt, plain AR
+        // rounds, the last draft of a fully accepted round); fed to it in one block when it next
+        // drafts, so an attention head's cache never has gaps.
+        let mut pending_head: Vec<Tensor<2>> = Vec::new();
         if p > 1 {
             let h = m
                 .forward_layers(
@@ -275,7 +278,7 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
                     &mut cache,
                 )
                 .map_err(model_err)?;
-            pending_head = Some(h.clone());
+            pending_head.push(h.clone());
             m.forward_layers(h, upper.clone(), &mut cache)
                 .map_err(model_err)?;
         }
@@ -305,8 +308,9 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
             let mut draft_probs: Vec<Vec<f32>> = Vec::new();
             let mut confidences = Vec::new();
             if cap > 0 && self.policy.begin_round() == Decision::Continue {
-                if let Some(prev) = pending_head.take() {
-                    head.extend(m, prev, &mut head_cache).map_err(model_err)?;
+                if !pending_head.is_empty() {
+                    let rows = Tensor::cat(std::mem::take(&mut pending_head), 0);
+                    head.extend(m, rows, &mut head_cache).map_err(model_err)?;
                 }
                 let mut head_input = h0;
                 loop {
@@ -367,13 +371,14 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
             let keep = committed + accepted;
             m.truncate(&mut cache, lower.clone(), keep);
             m.truncate(&mut cache, upper.clone(), keep);
-            if k > 0 {
-                if head.cached_len(&head_cache) > keep {
-                    head.truncate(&mut head_cache, keep);
-                } else if accepted == k {
-                    // All drafts accepted: the head never saw the last one's layer-N state.
-                    pending_head = Some(hidden[k].clone());
-                }
+            if k == 0 {
+                // A plain step: t0's state is committed but the head did not see it.
+                pending_head.push(hidden[0].clone());
+            } else if head.cached_len(&head_cache) > keep {
+                head.truncate(&mut head_cache, keep);
+            } else if accepted == k {
+                // All drafts accepted: the head never saw the last one's layer-N state.
+                pending_head.push(hidden[k].clone());
             }
             let cost_ratio = (k > 0).then(|| (draft_seconds / k as f64) / verify_seconds.max(1e-9));
             self.policy.observe(&RoundOutcome {

@@ -486,3 +486,137 @@ fn a_head_with_inconsistent_outputs_is_an_error() {
         .unwrap_err();
     assert!(matches!(err, CoreError::InvalidConfig(_)), "{err}");
 }
+
+/// A head that logs, for every layer-N row it is given, the position its cache assigns to that
+/// row. If the generator let the head's cache fall out of step with the committed sequence (a
+/// position skipped or seen twice), some row would be logged at the wrong position.
+struct RecordingHead {
+    log: std::sync::Mutex<Vec<(usize, Vec<f32>)>>,
+}
+
+impl DraftHead<Llama> for RecordingHead {
+    type Cache = usize;
+    fn exit_layer(&self) -> Option<usize> {
+        None
+    }
+    fn new_cache(&self, _: &Llama) -> usize {
+        0
+    }
+    fn draft_logits(
+        &self,
+        model: &Llama,
+        hidden: Tensor<2>,
+        seen: &mut usize,
+    ) -> eesd_models::Result<eesd_core::DraftLogits> {
+        let rows = hidden.dims()[0];
+        let mut log = self.log.lock().unwrap();
+        for i in 0..rows {
+            log.push((*seen + i, to_vec(hidden.clone().narrow(0, i, 1))));
+        }
+        *seen += rows;
+        Ok(eesd_core::DraftLogits {
+            logits: model.logits(hidden.narrow(0, rows - 1, 1)),
+            token_ids: None,
+        })
+    }
+    fn cached_len(&self, seen: &usize) -> usize {
+        *seen
+    }
+    fn truncate(&self, seen: &mut usize, len: usize) {
+        *seen = (*seen).min(len);
+    }
+}
+
+/// Declines to draft on some rounds (plain steps) and drafts 1–3 tokens on others.
+struct Intermittent {
+    round: usize,
+}
+
+impl eesd_bandit::DraftPolicy for Intermittent {
+    fn name(&self) -> String {
+        "intermittent".into()
+    }
+    fn max_draft(&self) -> usize {
+        3
+    }
+    fn begin_round(&mut self) -> eesd_bandit::Decision {
+        self.round += 1;
+        if self.round % 3 == 0 || self.round % 7 == 0 {
+            eesd_bandit::Decision::Stop
+        } else {
+            eesd_bandit::Decision::Continue
+        }
+    }
+    fn decide(&mut self, step: &eesd_bandit::DraftStep) -> eesd_bandit::Decision {
+        if step.position + 1 < 1 + self.round % 3 {
+            eesd_bandit::Decision::Continue
+        } else {
+            eesd_bandit::Decision::Stop
+        }
+    }
+    fn observe(&mut self, _: &eesd_bandit::RoundOutcome) {}
+}
+
+#[test]
+fn the_head_stays_in_step_across_plain_rounds_and_full_acceptances() {
+    let model = tiny(4);
+    let config = GenerationConfig {
+        max_new_tokens: 60,
+        ..Default::default()
+    };
+    let ar = run(&model, &NormHead::new(), "fixed:1", &PROMPT, &config);
+    let head = RecordingHead {
+        log: Default::default(),
+    };
+    let mut g = Generator::new(&model)
+        .with_head(&head)
+        .with_policy(Intermittent { round: 0 });
+    let eesd = GenerationConfig {
+        mode: Mode::Eesd,
+        exit_layer: Some(2),
+        ..config
+    };
+    let out = g
+        .generate(&PROMPT, &eesd, |_| ControlFlow::Continue(()))
+        .unwrap();
+    assert_eq!(out.tokens, ar.tokens);
+    let plain_rounds = out.stats.drafted_histogram.first().copied().unwrap_or(0);
+    assert!(
+        plain_rounds > 5 && out.stats.drafted > 10,
+        "{:?}",
+        out.stats
+    );
+    // The true layer-2 states of the committed sequence, computed afresh.
+    let sequence: Vec<u32> = PROMPT.iter().copied().chain(out.tokens).collect();
+    let mut cache = model.new_cache();
+    let truth = model
+        .forward_layers(model.embed(&sequence).unwrap(), 0..2, &mut cache)
+        .unwrap();
+    let log = head.log.lock().unwrap();
+    let mut checked = 0;
+    for (position, row) in log.iter() {
+        let want = to_vec(truth.clone().narrow(0, *position, 1));
+        let close = row.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-3);
+        if close {
+            checked += 1;
+        } else {
+            // A mismatch is only allowed for a rejected draft, which the head saw and the
+            // generator then truncated away; a later row must re-occupy that position.
+            assert!(
+                log.iter().any(|(p, r)| p == position
+                    && r.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-3)),
+                "the head saw a wrong state at position {position}"
+            );
+        }
+    }
+    // No gaps: the head saw every position up to the last one it drafted from (states still
+    // pending when generation ends are never needed).
+    let seen: std::collections::BTreeSet<usize> = log.iter().map(|(p, _)| *p).collect();
+    let last = seen.last().copied().unwrap_or(0);
+    assert!(checked > 0 && last + 8 > sequence.len());
+    assert!(
+        (0..=last).all(|p| seen.contains(&p)),
+        "the head missed positions: {:?}",
+        (0..=last).filter(|p| !seen.contains(p)).collect::<Vec<_>>()
+    );
+}
