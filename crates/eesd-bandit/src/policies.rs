@@ -273,6 +273,18 @@ fn marginal_rule(gain: f64, ratio: f64, rate: f64, drafted: usize, cap: usize) -
     }
 }
 
+/// Whether a token just drafted is worth verifying: its expected extra tokens (`gain`, the
+/// survival of the prefix times its own acceptance under the draw) against the price of
+/// verifying it (`ratio × rate`, as for drafting one more). The head's work for it is spent
+/// either way; what is saved is its pass through the first N layers and its verification row.
+fn keep_rule(gain: f64, ratio: f64, rate: f64) -> Decision {
+    if gain >= ratio * rate {
+        Decision::Stop
+    } else {
+        Decision::Discard
+    }
+}
+
 /// State of a calibrated round: the drawn curve, the survival of the drafted prefix, and the
 /// predicted acceptance and rate of tokens not drafted yet.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -346,7 +358,11 @@ impl DraftPolicy for CalibratedTs {
             self.begin_round();
         }
         let r = &mut self.round;
-        r.survival *= r.thetas[self.posterior.bin(step.confidence)];
+        let theta = r.thetas[self.posterior.bin(step.confidence)];
+        if keep_rule(r.survival * theta, self.cost.0, r.rate) == Decision::Discard {
+            return Decision::Discard;
+        }
+        r.survival *= theta;
         marginal_rule(
             r.survival * r.next,
             self.cost.0,
@@ -422,7 +438,11 @@ impl DraftPolicy for CostAwareTs {
         }
         let mut rng = self.draws.rng();
         let bin = self.posterior.bin(step.confidence);
-        self.survival *= self.posterior.posterior(bin).sample(&mut rng);
+        let theta = self.posterior.posterior(bin).sample(&mut rng);
+        if keep_rule(self.survival * theta, self.cost.0, self.rate) == Decision::Discard {
+            return Decision::Discard;
+        }
+        self.survival *= theta;
         let thetas = self.posterior.sample(&mut rng);
         let next = self.posterior.expected_next(&thetas);
         marginal_rule(

@@ -20,6 +20,11 @@ pub enum Decision {
     Continue,
     /// Stop drafting and verify.
     Stop,
+    /// Stop drafting and verify the drafts before this one; this last draft is dropped
+    /// unverified. Running the exit head is cheap, a verified row is not (it costs its pass
+    /// through the first N layers and a row of verification), so a policy may look at a draft's
+    /// confidence and refuse to pay for a likely rejection.
+    Discard,
 }
 
 /// What verification revealed about one round.

@@ -94,6 +94,9 @@ pub struct Costs {
     pub draft: f64,
     /// Cost of one verification pass.
     pub verify: f64,
+    /// Cost of a draft dropped unverified ([`Decision::Discard`]): only the exit head ran, not
+    /// the token's pass through the first N layers (`draft` is an upper bound).
+    pub discard: f64,
 }
 
 /// What a simulation measured.
@@ -132,24 +135,28 @@ pub fn simulate(
         // A policy that declines to draft makes this round a plain decoding step.
         let mut drafting = policy.begin_round() == Decision::Continue && cap > 0;
         let mut confidences = Vec::new();
-        let mut accepted = 0;
-        let mut rejected = false;
+        let mut oks = Vec::new();
+        let mut discarded = 0;
         while drafting {
             let (c, ok) = process.token(round, &mut rng);
             let position = confidences.len();
             confidences.push(c);
-            if !rejected && ok {
-                accepted += 1;
-            } else {
-                rejected = true;
-            }
+            oks.push(ok);
             let step = DraftStep {
                 position,
                 confidence: c,
                 entropy: None,
             };
-            drafting = confidences.len() < cap && policy.decide(&step) == Decision::Continue;
+            let decision = policy.decide(&step);
+            if decision == Decision::Discard {
+                // Dropped unverified; its draft cost is still paid.
+                confidences.pop();
+                oks.pop();
+                discarded += 1;
+            }
+            drafting = confidences.len() < cap && decision == Decision::Continue;
         }
+        let accepted = oks.iter().take_while(|&&ok| ok).count();
         let drafted = confidences.len();
         policy.observe(&RoundOutcome {
             drafted,
@@ -158,7 +165,7 @@ pub fn simulate(
             cost_ratio: Some(ratio),
         });
         tokens += accepted as f64 + 1.0;
-        cost += drafted as f64 * costs.draft + costs.verify;
+        cost += drafted as f64 * costs.draft + discarded as f64 * costs.discard + costs.verify;
         drafted_total += drafted;
         accepted_total += accepted;
     }

@@ -111,6 +111,8 @@ pub struct GenerationStats {
     pub rounds: usize,
     /// Drafted tokens in all rounds.
     pub drafted: usize,
+    /// Drafts the policy dropped unverified ([`eesd_bandit::Decision::Discard`]).
+    pub discarded: usize,
     /// Accepted drafted tokens in all rounds.
     pub accepted: usize,
     /// `accepted_histogram[a]` = rounds in which exactly `a` drafted tokens were accepted.

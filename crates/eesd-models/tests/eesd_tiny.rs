@@ -527,7 +527,8 @@ impl DraftHead<Llama> for RecordingHead {
     }
 }
 
-/// Declines to draft on some rounds (plain steps) and drafts 1–3 tokens on others.
+/// Declines to draft on some rounds (plain steps), drafts 1–3 tokens on others, and drops its
+/// last draft unverified on some.
 struct Intermittent {
     round: usize,
 }
@@ -548,6 +549,9 @@ impl eesd_bandit::DraftPolicy for Intermittent {
         }
     }
     fn decide(&mut self, step: &eesd_bandit::DraftStep) -> eesd_bandit::Decision {
+        if self.round % 4 == 1 && step.position == self.round % 3 {
+            return eesd_bandit::Decision::Discard;
+        }
         if step.position + 1 < 1 + self.round % 3 {
             eesd_bandit::Decision::Continue
         } else {
@@ -558,7 +562,7 @@ impl eesd_bandit::DraftPolicy for Intermittent {
 }
 
 #[test]
-fn the_head_stays_in_step_across_plain_rounds_and_full_acceptances() {
+fn the_head_stays_in_step_across_plain_rounds_discards_and_full_acceptances() {
     let model = tiny(4);
     let config = GenerationConfig {
         max_new_tokens: 60,
