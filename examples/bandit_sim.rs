@@ -67,6 +67,13 @@ fn main() -> anyhow::Result<()> {
             b: 0.4,
             power: 1.0,
         },
+        // A weak but calibrated head (like a small model's early exit): mostly unconfident
+        // drafts, accepted about as often as their confidence says.
+        Process::ConfidenceDependent {
+            a: 0.3,
+            b: 1.2,
+            power: 1.0,
+        },
         Process::Switching {
             thetas: vec![0.9, 0.3],
             segment: 300,

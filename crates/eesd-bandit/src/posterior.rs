@@ -147,6 +147,19 @@ impl BinnedPosterior {
             / total
     }
 
+    /// Expected surplus of a first draft that is verified only when worth its `price`:
+    /// `Σ_bins P(bin) · max(0, θ_bin − price)` over the observed confidence distribution. This is
+    /// what looking at a draft before deciding to verify it ([`crate::Decision::Discard`]) gains.
+    pub fn expected_surplus(&self, thetas: &[f64], price: f64) -> f64 {
+        let total: f64 = self.counts.iter().map(|c| c + 1.0).sum();
+        self.counts
+            .iter()
+            .zip(thetas)
+            .map(|(c, t)| (c + 1.0) * (t - price).max(0.0))
+            .sum::<f64>()
+            / total
+    }
+
     /// Applies one round's evidence (after discounting the old by `discount`).
     pub fn update(&mut self, outcome: &crate::RoundOutcome, discount: f64) {
         self.bins.iter_mut().for_each(|b| b.decay(discount));
