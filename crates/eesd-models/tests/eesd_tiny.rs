@@ -542,7 +542,7 @@ impl eesd_bandit::DraftPolicy for Intermittent {
     }
     fn begin_round(&mut self) -> eesd_bandit::Decision {
         self.round += 1;
-        if self.round % 3 == 0 || self.round % 7 == 0 {
+        if self.round.is_multiple_of(3) || self.round.is_multiple_of(7) {
             eesd_bandit::Decision::Stop
         } else {
             eesd_bandit::Decision::Continue
