@@ -266,7 +266,7 @@ impl DraftPolicy for BetaTs {
 /// tokens (`gain`) cover its price at the current rate (`ratio × rate` verification units) and
 /// fewer than `cap` tokens are drafted.
 fn marginal_rule(gain: f64, ratio: f64, rate: f64, drafted: usize, cap: usize) -> Decision {
-    if gain >= ratio * rate && drafted < cap {
+    if pays(gain, ratio, rate) && drafted < cap {
         Decision::Continue
     } else {
         Decision::Stop
@@ -280,7 +280,7 @@ const PEEK_SHARE: f64 = 0.3;
 
 /// Whether to draft a first token: when drafting pays on average (`next ≥ price`), or when the
 /// drafts worth keeping pay for looking at every first draft (`surplus ≥ PEEK_SHARE · price`;
-/// the others are dropped by [`keep_rule`]).
+/// the others are dropped because verifying them does not pay).
 fn begin_rule(next: f64, surplus: f64, price: f64, cap: usize) -> Decision {
     if cap > 0 && (next >= price || surplus >= PEEK_SHARE * price) {
         Decision::Continue
@@ -289,16 +289,13 @@ fn begin_rule(next: f64, surplus: f64, price: f64, cap: usize) -> Decision {
     }
 }
 
-/// Whether a token just drafted is worth verifying: its expected extra tokens (`gain`, the
-/// survival of the prefix times its own acceptance under the draw) against the price of
-/// verifying it (`ratio × rate`, as for drafting one more). The head's work for it is spent
-/// either way; what is saved is its pass through the first N layers and its verification row.
-fn keep_rule(gain: f64, ratio: f64, rate: f64) -> Decision {
-    if gain >= ratio * rate {
-        Decision::Stop
-    } else {
-        Decision::Discard
-    }
+/// Whether `gain` expected extra tokens cover a price of `ratio × rate` verification units —
+/// for drafting one more token, and for verifying a token just drafted (its gain is the
+/// survival of the prefix times its own acceptance under the draw; if it does not pay it is
+/// dropped: the head's work is spent either way, its pass through the first N layers and its
+/// verification row are saved).
+fn pays(gain: f64, ratio: f64, rate: f64) -> bool {
+    gain >= ratio * rate
 }
 
 /// State of a calibrated round: the drawn curve, the survival of the drafted prefix, and the
@@ -376,7 +373,7 @@ impl DraftPolicy for CalibratedTs {
         }
         let r = &mut self.round;
         let theta = r.thetas[self.posterior.bin(step.confidence)];
-        if keep_rule(r.survival * theta, self.cost.0, r.rate) == Decision::Discard {
+        if !pays(r.survival * theta, self.cost.0, r.rate) {
             return Decision::Discard;
         }
         r.survival *= theta;
@@ -458,7 +455,7 @@ impl DraftPolicy for CostAwareTs {
         let mut rng = self.draws.rng();
         let bin = self.posterior.bin(step.confidence);
         let theta = self.posterior.posterior(bin).sample(&mut rng);
-        if keep_rule(self.survival * theta, self.cost.0, self.rate) == Decision::Discard {
+        if !pays(self.survival * theta, self.cost.0, self.rate) {
             return Decision::Discard;
         }
         self.survival *= theta;

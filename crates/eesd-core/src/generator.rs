@@ -270,7 +270,6 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
         // rounds, the last draft of a fully accepted round); fed to it in one block when it next
         // drafts, so an attention head's cache never has gaps.
         let mut pending_head: Vec<Tensor<2>> = Vec::new();
-        let mut pending_rows = 0;
         if p > 1 {
             let h = m
                 .forward_layers(
@@ -280,7 +279,6 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
                 )
                 .map_err(model_err)?;
             pending_head.push(h.clone());
-            pending_rows = p - 1;
             m.forward_layers(h, upper.clone(), &mut cache)
                 .map_err(model_err)?;
         }
@@ -313,7 +311,6 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
                 if !pending_head.is_empty() {
                     let rows = Tensor::cat(std::mem::take(&mut pending_head), 0);
                     head.extend(m, rows, &mut head_cache).map_err(model_err)?;
-                    pending_rows = 0;
                 }
                 let mut head_input = h0;
                 loop {
@@ -330,7 +327,6 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
                     )?;
                     drafts.push(token);
                     confidences.push(confidence);
-                    let q_pushed = q.is_some();
                     if let Some(q) = q {
                         draft_probs.push(q);
                     }
@@ -344,10 +340,8 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
                         // Dropped before paying for its layer-[0, N) pass and verification.
                         drafts.pop();
                         confidences.pop();
+                        draft_probs.truncate(drafts.len());
                         stats.discarded += 1;
-                        if q_pushed {
-                            draft_probs.pop();
-                        }
                         break;
                     }
                     let go_on = drafts.len() < cap && decision == Decision::Continue;
@@ -388,13 +382,13 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
             // The head must cover exactly the kept positions: cut what it saw beyond them, queue
             // the kept states it has not seen (t0 after a plain step, the last draft of a fully
             // accepted round). hidden[i] is position committed - 1 + i.
+            let pending_rows: usize = pending_head.iter().map(|h| h.dims()[0]).sum();
             let covered = head.cached_len(&head_cache) + pending_rows;
             if covered > keep {
                 head.truncate(&mut head_cache, keep);
             } else {
                 let unseen = &hidden[covered + 1 - committed..keep + 1 - committed];
                 pending_head.extend(unseen.iter().cloned());
-                pending_rows += unseen.len();
             }
             let cost_ratio = (k > 0).then(|| (draft_seconds / k as f64) / verify_seconds.max(1e-9));
             self.policy.observe(&RoundOutcome {

@@ -119,16 +119,8 @@ impl DecoderLayer {
         cache: Option<&mut LayerCache>,
         limit: usize,
     ) -> Result<Tensor<2>> {
-        let h = self.attention(
-            rms_norm(x.clone(), self.attn_norm.val(), self.eps),
-            rope,
-            ctx,
-            cache,
-            limit,
-        )?;
-        let x = x + h;
-        let m = self.mlp(rms_norm(x.clone(), self.mlp_norm.val(), self.eps));
-        Ok(x + m)
+        let x = self.forward_attention_only(x, rope, ctx, cache, limit)?;
+        Ok(self.mlp_residual(x))
     }
 
     /// The attention half alone, `x + attention(norm(x))`: the block of a Kangaroo-style
@@ -141,14 +133,12 @@ impl DecoderLayer {
         cache: Option<&mut LayerCache>,
         limit: usize,
     ) -> Result<Tensor<2>> {
-        let h = self.attention(
+        let qkv = linear(
             rms_norm(x.clone(), self.attn_norm.val(), self.eps),
-            rope,
-            ctx,
-            cache,
-            limit,
-        )?;
-        Ok(x + h)
+            self.wqkv.val(),
+        );
+        let out = self.attend(qkv, rope, ctx, cache, limit)?;
+        Ok(x + linear(out, self.wo.val()))
     }
 
     /// Runs the layer on one new token from each of `b` independent sequences, `x: [b, hidden]`,
@@ -173,27 +163,12 @@ impl DecoderLayer {
             outs.push(self.attend(qkv.clone().narrow(0, s, 1), rope, &ctx, Some(cache), limit)?);
         }
         let h = linear(Tensor::cat(outs, 0), self.wo.val());
-        let x = x + h;
-        let m = self.mlp(rms_norm(x.clone(), self.mlp_norm.val(), self.eps));
-        Ok(x + m)
+        Ok(self.mlp_residual(x + h))
     }
 
     /// Query heads per key/value head.
     fn group(&self) -> usize {
         self.num_heads / self.num_kv_heads
-    }
-
-    fn attention(
-        &self,
-        x: Tensor<2>,
-        rope: &Rope,
-        ctx: &AttentionContext,
-        cache: Option<&mut LayerCache>,
-        limit: usize,
-    ) -> Result<Tensor<2>> {
-        let qkv = linear(x, self.wqkv.val());
-        let out = self.attend(qkv, rope, ctx, cache, limit)?;
-        Ok(linear(out, self.wo.val()))
     }
 
     /// Attention of one sequence's new rows given their fused projections `qkv: [t, …]`;
@@ -235,10 +210,14 @@ impl DecoderLayer {
         Ok(out.reshape([nh, t, d]).swap_dims(0, 1).reshape([t, nh * d]))
     }
 
-    fn mlp(&self, x: Tensor<2>) -> Tensor<2> {
-        let gu = linear(x, self.w_gate_up.val());
+    /// The MLP half, `x + mlp(norm(x))`.
+    fn mlp_residual(&self, x: Tensor<2>) -> Tensor<2> {
+        let gu = linear(
+            rms_norm(x.clone(), self.mlp_norm.val(), self.eps),
+            self.w_gate_up.val(),
+        );
         let gate = gu.clone().narrow(1, 0, self.ffn);
         let up = gu.narrow(1, self.ffn, self.ffn);
-        linear(silu(gate) * up, self.w_down.val())
+        x + linear(silu(gate) * up, self.w_down.val())
     }
 }
