@@ -336,14 +336,7 @@ impl LayerHead {
     ) -> Result<Tensor<2>> {
         let c = model.config();
         let past = cache.as_ref().map_or(0, |c| c.len());
-        let t = hidden.dims()[0];
-        let ctx = AttentionContext::new(
-            model.rope(),
-            past,
-            t,
-            c.num_kv_heads,
-            c.num_heads / c.num_kv_heads,
-        );
+        let ctx = AttentionContext::for_config(model.rope(), c, past, hidden.dims()[0]);
         self.weights.forward(hidden, model.rope(), &ctx, cache, c)
     }
 }

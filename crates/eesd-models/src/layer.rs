@@ -6,10 +6,13 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::activation::{silu, softmax};
-use burn::tensor::{Bool, DType, FloatDType, Tensor};
+use std::ops::Range;
+
+use burn::tensor::{Bool, DType, Device, FloatDType, Tensor};
 
 use crate::cache::LayerCache;
-use crate::error::Result;
+use crate::config::LlamaConfig;
+use crate::error::{ModelError, Result};
 use crate::rope::Rope;
 
 /// RMSNorm: `x / sqrt(mean(x²) + ε) · γ` over the last dimension.
@@ -61,8 +64,18 @@ pub struct AttentionContext {
     pub cos: Tensor<3>,
     /// RoPE sin rows for the new positions, `[1, t, head_dim]`.
     pub sin: Tensor<3>,
-    /// Causal mask for the grouped scores `[kv_heads, group·t, past + t]` (`true` = masked);
-    /// `None` when a single new token may attend to everything.
+    /// The independent sequences of the block, in row order: one for an ordinary call, several
+    /// for a packed training block (see [`AttentionContext::packed`]).
+    pub segments: Vec<Segment>,
+}
+
+/// One sequence's rows of a block and its causal mask.
+#[derive(Debug, Clone)]
+pub struct Segment {
+    /// The block rows holding this sequence's new tokens.
+    pub rows: Range<usize>,
+    /// Causal mask for its grouped scores `[kv_heads, group·len, past + len]` (`true` =
+    /// masked); `None` when a single new token may attend to everything.
     pub mask: Option<Tensor<3, Bool>>,
 }
 
@@ -70,15 +83,85 @@ impl AttentionContext {
     /// Builds the context for `t` new tokens after `past` cached positions.
     pub fn new(rope: &Rope, past: usize, t: usize, kv_heads: usize, group: usize) -> Self {
         let (cos, sin) = rope.slice(past, t);
-        let device = cos.device();
-        let mask = (t > 1).then(|| {
-            Tensor::<2, Bool>::tril_mask([t, past + t], past as i64, &device)
-                .repeat_dim(0, group)
-                .unsqueeze_dim::<3>(0)
-                .repeat_dim(0, kv_heads)
-        });
-        AttentionContext { cos, sin, mask }
+        let mask = causal_mask(t, past, kv_heads, group, &cos.device());
+        AttentionContext {
+            cos,
+            sin,
+            segments: vec![Segment { rows: 0..t, mask }],
+        }
     }
+
+    /// [`AttentionContext::new`] with the head counts of `config`.
+    pub fn for_config(rope: &Rope, config: &LlamaConfig, past: usize, t: usize) -> Self {
+        let (kv_heads, group) = head_groups(config);
+        Self::new(rope, past, t, kv_heads, group)
+    }
+
+    /// A block of several independent sequences packed one after another (`lengths`, in
+    /// order), each starting at position 0 and attending only to itself. Training runs many
+    /// short sequences as one block this way: the projections see one large matrix, attention
+    /// stays per sequence. Packed blocks run without a KV cache.
+    pub fn packed(rope: &Rope, config: &LlamaConfig, lengths: &[usize]) -> Result<Self> {
+        if lengths.is_empty() || lengths.contains(&0) {
+            return Err(ModelError::InvalidArgument(format!(
+                "packed block of sequence lengths {lengths:?}: needs at least one non-empty sequence"
+            )));
+        }
+        if let Some(&needed) = lengths.iter().find(|&&n| n > rope.len()) {
+            return Err(ModelError::ContextOverflow {
+                needed,
+                limit: rope.len(),
+            });
+        }
+        let (kv_heads, group) = head_groups(config);
+        let (mut cos, mut sin, mut segments) = (Vec::new(), Vec::new(), Vec::new());
+        let mut start = 0;
+        for &len in lengths {
+            let (c, s) = rope.slice(0, len);
+            let mask = causal_mask(len, 0, kv_heads, group, &c.device());
+            cos.push(c);
+            sin.push(s);
+            segments.push(Segment {
+                rows: start..start + len,
+                mask,
+            });
+            start += len;
+        }
+        Ok(AttentionContext {
+            cos: Tensor::cat(cos, 1),
+            sin: Tensor::cat(sin, 1),
+            segments,
+        })
+    }
+
+    /// Rows of the block.
+    pub fn rows(&self) -> usize {
+        self.cos.dims()[1]
+    }
+}
+
+/// `(kv_heads, query heads per kv head)` of a model.
+fn head_groups(config: &LlamaConfig) -> (usize, usize) {
+    (
+        config.num_kv_heads,
+        config.num_heads / config.num_kv_heads.max(1),
+    )
+}
+
+/// The grouped causal mask of `t` new rows after `past` positions; `None` for one row.
+fn causal_mask(
+    t: usize,
+    past: usize,
+    kv_heads: usize,
+    group: usize,
+    device: &Device,
+) -> Option<Tensor<3, Bool>> {
+    (t > 1).then(|| {
+        Tensor::<2, Bool>::tril_mask([t, past + t], past as i64, device)
+            .repeat_dim(0, group)
+            .unsqueeze_dim::<3>(0)
+            .repeat_dim(0, kv_heads)
+    })
 }
 
 /// A LLaMA decoder layer.
@@ -193,21 +276,43 @@ impl DecoderLayer {
         let q = rope.apply(heads(0, nh), &ctx.cos, &ctx.sin);
         let k = rope.apply(heads(nh, nkv), &ctx.cos, &ctx.sin);
         let v = heads(nh + nkv, nkv);
+        let packed = ctx.segments.len() > 1;
+        if packed && cache.is_some() {
+            return Err(ModelError::InvalidArgument(
+                "a packed block of several sequences runs without a KV cache".into(),
+            ));
+        }
         let (k, v) = match cache {
             Some(cache) => cache.append(k, v, limit)?,
             None => (k, v),
         };
-        // Group query heads by their kv head: [nh, t, d] → [nkv, group·t, d]; no K/V copies.
-        let q = q.reshape([nkv, group * t, d]);
-        let scores = q
-            .matmul(k.swap_dims(1, 2))
-            .mul_scalar(1.0 / (d as f64).sqrt());
-        let scores = match &ctx.mask {
-            Some(mask) => scores.mask_fill(mask.clone(), f32::NEG_INFINITY),
-            None => scores,
-        };
-        let out = softmax(scores, 2).matmul(v);
-        Ok(out.reshape([nh, t, d]).swap_dims(0, 1).reshape([t, nh * d]))
+        let scale = 1.0 / (d as f64).sqrt();
+        let mut outs = Vec::with_capacity(ctx.segments.len());
+        for seg in &ctx.segments {
+            let len = seg.rows.len();
+            let rows = |x: &Tensor<3>| match packed {
+                true => x.clone().narrow(1, seg.rows.start, len),
+                false => x.clone(),
+            };
+            // Group query heads by their kv head: [nh, len, d] → [nkv, group·len, d]; no K/V
+            // copies.
+            let q = rows(&q).reshape([nkv, group * len, d]);
+            let scores = q.matmul(rows(&k).swap_dims(1, 2)).mul_scalar(scale);
+            let scores = match &seg.mask {
+                Some(mask) => scores.mask_fill(mask.clone(), f32::NEG_INFINITY),
+                None => scores,
+            };
+            let out = softmax(scores, 2).matmul(rows(&v));
+            outs.push(
+                out.reshape([nh, len, d])
+                    .swap_dims(0, 1)
+                    .reshape([len, nh * d]),
+            );
+        }
+        Ok(match outs.len() {
+            1 => outs.remove(0),
+            _ => Tensor::cat(outs, 0),
+        })
     }
 
     /// The MLP half, `x + mlp(norm(x))`.

@@ -252,18 +252,41 @@ impl Llama {
                 limit,
             });
         }
-        let c = &self.config;
-        let ctx = AttentionContext::new(
-            &self.rope,
-            past,
-            t,
-            c.num_kv_heads,
-            c.num_heads / c.num_kv_heads,
-        );
+        let ctx = AttentionContext::for_config(&self.rope, &self.config, past, t);
         let mut x = hidden;
         for i in range {
             let layer_cache = cache.layer_mut(i);
             x = self.layers[i].forward(x, &self.rope, &ctx, layer_cache, limit)?;
+        }
+        Ok(x)
+    }
+
+    /// Runs layers `range` on a packed block of whole sequences (`ctx` from
+    /// [`AttentionContext::packed`]), without a KV cache: each sequence attends only to itself,
+    /// from position 0. Self-distillation runs its teacher this way, many sequences per pass.
+    pub fn forward_packed(
+        &self,
+        hidden: Tensor<2>,
+        range: Range<usize>,
+        ctx: &AttentionContext,
+    ) -> Result<Tensor<2>> {
+        if range.start >= range.end || range.end > self.layers.len() {
+            return Err(ModelError::InvalidArgument(format!(
+                "layer range {range:?} for a model of {} layers",
+                self.layers.len()
+            )));
+        }
+        let [t, _] = hidden.dims();
+        if ctx.rows() != t {
+            return Err(ModelError::InvalidArgument(format!(
+                "a context for {} rows given a block of {t}",
+                ctx.rows()
+            )));
+        }
+        let limit = self.config.context_length;
+        let mut x = hidden;
+        for layer in &self.layers[range] {
+            x = layer.forward(x, &self.rope, ctx, None, limit)?;
         }
         Ok(x)
     }

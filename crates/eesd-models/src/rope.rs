@@ -68,6 +68,16 @@ impl Rope {
         }
     }
 
+    /// Positions the tables cover (the context length).
+    pub fn len(&self) -> usize {
+        self.cos.dims()[0]
+    }
+
+    /// Whether the tables are empty (a zero context).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// The `(cos, sin)` rows for positions `start..start + len`, shaped `[1, len, head_dim]`.
     pub fn slice(&self, start: usize, len: usize) -> (Tensor<3>, Tensor<3>) {
         let cos = self.cos.clone().narrow(0, start, len).unsqueeze_dim(0);
