@@ -8,9 +8,11 @@
 //! Stages, each resumable: (1) the frozen model answers the prompts through its chat template
 //! (greedy, `--batch` prompts decoded together; saved as `{"prompt": i, "tokens": [...],
 //! "prompt_len": n}` lines in `OUT.data.jsonl`, appended as answers finish); (2) the draft
-//! vocabulary = the most frequent tokens of those answers; (3) training with held-out evaluation;
-//! (4) `OUT.safetensors` (f16) + `OUT.json` (metadata: base model SHA-256, layer, vocabulary,
-//! config, metrics).
+//! vocabulary = the most frequent tokens of those answers; (3) training with held-out evaluation,
+//! whole sequences packed into blocks of `--tokens-per-step` tokens, the state (weights, AdamW
+//! moments, step) saved every `--save-every` steps — rerun with the same arguments and
+//! `--resume` to continue an interrupted run exactly; (4) `OUT.safetensors` (f16) + `OUT.json`
+//! (metadata: base model SHA-256, layer, vocabulary, config, metrics).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -18,12 +20,12 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use eesd::core::Backend;
+use eesd::core::{Backend, DraftHead};
 use eesd::models::{HeadKind, LayerHead, LoadOptions, LoadedModel, VocabSubset, fetch};
 use eesd::train::checkpoint::FORMAT_VERSION;
 use eesd::train::{
-    AnswerConfig, DistillConfig, Distiller, HeadMetadata, Sequence, TrainError, file_sha256,
-    generate_answers, save_layer_head,
+    AnswerConfig, DistillConfig, Distiller, EvalMetrics, HeadMetadata, Sequence, TrainError,
+    file_sha256, generate_answers, pack, save_layer_head,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -60,9 +62,21 @@ struct Args {
     /// all of them).
     #[arg(long, default_value_t = 8)]
     batch: usize,
-    /// Optimisation steps (one sequence per step).
+    /// Optimisation steps.
     #[arg(long, default_value_t = 600)]
     steps: usize,
+    /// Whole sequences are packed into one block per step up to this many tokens (a longer
+    /// sequence gets a step of its own; 0 = one sequence per step).
+    #[arg(long, default_value_t = 1024)]
+    tokens_per_step: usize,
+    /// Continue the run saved in `OUT.state.json` (same data, configuration and batches)
+    /// instead of starting over.
+    #[arg(long)]
+    resume: bool,
+    /// Save the training state (`OUT.state.json` + weights + optimizer moments) every this many
+    /// steps (0 = only at the end).
+    #[arg(long, default_value_t = 100)]
+    save_every: usize,
     /// Peak learning rate.
     #[arg(long, default_value_t = 5e-4)]
     lr: f64,
@@ -210,55 +224,92 @@ fn main() -> Result<()> {
         total_steps: args.steps,
         ..Default::default()
     };
+    let lengths: Vec<usize> = train.iter().map(|s| s.tokens.len()).collect();
+    let batches = pack(&lengths, args.tokens_per_step);
+    eprintln!(
+        "{} training sequences in {} packed batches of at most {} tokens",
+        train.len(),
+        batches.len(),
+        args.tokens_per_step
+    );
     let init = args.init_layer.unwrap_or(args.exit_layer);
-    let head = LayerHead::from_model(m, args.head, args.exit_layer, init, subset.as_ref())?;
-    let mut distiller = Distiller::new(m, head, config.clone())?;
     let k = 4;
-    let before = distiller.evaluate(held_out, k)?;
+    // A resumed run gets back its configuration, evaluation history and time so far.
+    let (mut distiller, before, mut history, seconds_before) = if args.resume {
+        let (d, extra) = Distiller::resume(m, &args.out)?;
+        eprintln!(
+            "resuming at step {} of {}",
+            d.step(),
+            d.config().total_steps
+        );
+        let before: EvalMetrics = serde_json::from_value(extra["before"].clone())?;
+        let history: Vec<serde_json::Value> = serde_json::from_value(extra["history"].clone())?;
+        let seconds = extra["seconds"].as_f64().unwrap_or(0.0);
+        (d, before, history, seconds)
+    } else {
+        let head = LayerHead::from_model(m, args.head, args.exit_layer, init, subset.as_ref())?;
+        let d = Distiller::new(m, head, config)?;
+        let before = d.evaluate(held_out, k)?;
+        (d, before, Vec::new(), 0.0)
+    };
+    let config = distiller.config().clone();
     eprintln!("before: {before:?}");
-    let bar = ProgressBar::new(args.steps as u64);
+    let bar = ProgressBar::new(config.total_steps as u64);
     bar.set_style(ProgressStyle::with_template(
         "training {bar:40} {pos}/{len} loss {msg} [{elapsed_precise} < {eta_precise}]",
     )?);
-    let mut history = Vec::new();
-    let mut running = 0.0;
-    for step in 0..args.steps {
-        let loss = distiller.train_step(&train[step % train.len()].tokens)?;
-        running = if step == 0 {
-            loss
-        } else {
-            0.95 * running + 0.05 * loss
-        };
-        bar.set_message(format!("{running:.3}"));
+    bar.set_position(distiller.step() as u64);
+    let mut running: Option<f64> = None;
+    let save = |d: &Distiller, history: &[serde_json::Value]| -> Result<()> {
+        let extra = serde_json::json!({
+            "before": before, "history": history,
+            "seconds": seconds_before + started.elapsed().as_secs_f64(),
+        });
+        Ok(d.save_state(&args.out, extra)?)
+    };
+    while distiller.step() < config.total_steps {
+        let step = distiller.step();
+        let batch: Vec<&[u32]> = batches[step % batches.len()]
+            .iter()
+            .map(|&i| train[i].tokens.as_slice())
+            .collect();
+        let loss = distiller.train_step(&batch)?;
+        let smooth = running.map_or(loss, |r| 0.95 * r + 0.05 * loss);
+        running = Some(smooth);
+        bar.set_message(format!("{smooth:.3}"));
         bar.inc(1);
-        if (step + 1) % args.eval_every == 0 || step + 1 == args.steps {
+        let done = step + 1;
+        if done % args.eval_every == 0 || done == config.total_steps {
             let metrics = distiller.evaluate(held_out, k)?;
-            bar.suspend(|| eprintln!("step {}: {metrics:?}", step + 1));
-            history.push(
-                serde_json::json!({ "step": step + 1, "train_loss": running, "eval": metrics }),
-            );
+            bar.suspend(|| eprintln!("step {done}: {metrics:?}"));
+            history
+                .push(serde_json::json!({ "step": done, "train_loss": smooth, "eval": metrics }));
+        }
+        if args.save_every > 0 && done % args.save_every == 0 {
+            save(&distiller, &history)?;
         }
     }
     bar.finish();
+    save(&distiller, &history)?;
     let after = distiller.evaluate(held_out, k)?;
     let head = distiller.into_head();
 
     // (4) Checkpoint.
     let meta = HeadMetadata {
         format_version: FORMAT_VERSION,
-        head_kind: args.head.name().into(),
+        head_kind: head.kind().name().into(),
         base_model_sha256: file_sha256(&path)?,
         base_model_name: path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default(),
-        exit_layer: args.exit_layer,
+        exit_layer: DraftHead::exit_layer(&head).unwrap_or(args.exit_layer),
         hidden_size: m.config().hidden_size,
-        vocab_subset: subset.as_ref().map(|s| s.ids().to_vec()),
+        vocab_subset: head.token_ids().map(<[u32]>::to_vec),
         training: serde_json::json!({
             "distill": config, "init_layer": init, "prompts": args.num_prompts, "sequences": data.len(),
-            "held_out": held, "answer_tokens": args.answer_tokens, "loss": format!("KL(teacher || student) over the draft vocabulary + {} x CE(greedy token)", args.ce_weight),
-            "generation_seconds": generation_seconds, "total_seconds": started.elapsed().as_secs_f64(),
+            "held_out": held, "answer_tokens": args.answer_tokens, "tokens_per_step": args.tokens_per_step, "loss": format!("KL(teacher || student) over the draft vocabulary + {} x CE(greedy token)", args.ce_weight),
+            "generation_seconds": generation_seconds, "total_seconds": seconds_before + started.elapsed().as_secs_f64(),
         }),
         metrics: serde_json::json!({ "before": before, "after": after, "history": history }),
     };

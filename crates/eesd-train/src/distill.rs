@@ -108,7 +108,34 @@ pub struct Sequence {
     pub prompt_len: usize,
 }
 
-/// Teacher outputs for one sequence, on the plain device.
+/// AdamW with the config's weight decay and gradient clipping.
+pub(crate) fn optimizer(config: &DistillConfig) -> ModuleOptimizer {
+    AdamWConfig::new()
+        .with_weight_decay(config.weight_decay)
+        .with_grad_clipping(Some(GradientClippingConfig::Norm(config.grad_clip_norm)))
+        .init()
+}
+
+/// Groups sequences (by their `lengths`, in order) into training batches of at most
+/// `max_tokens` tokens each; a sequence longer than that gets a batch of its own. Packing keeps
+/// the data order, so a run (and a resumed run) sees the same batches.
+pub fn pack(lengths: &[usize], max_tokens: usize) -> Vec<Vec<usize>> {
+    let mut batches: Vec<Vec<usize>> = Vec::new();
+    let mut tokens = 0;
+    for (i, &len) in lengths.iter().enumerate() {
+        match batches.last_mut() {
+            Some(batch) if tokens + len <= max_tokens => batch.push(i),
+            _ => {
+                batches.push(vec![i]);
+                tokens = 0;
+            }
+        }
+        tokens += len;
+    }
+    batches
+}
+
+/// Teacher outputs for a packed block of sequences, on the plain device.
 struct Teacher {
     /// Layer-N hidden states `[t, hidden]`.
     hidden: Tensor<2>,
@@ -116,17 +143,19 @@ struct Teacher {
     log_probs: Tensor<2>,
     /// The full model's argmax at each position.
     argmax: Vec<u32>,
+    /// Lengths of the sequences packed in the block.
+    lengths: Vec<usize>,
 }
 
 /// Trains a [`LayerHead`] by self-distillation.
 pub struct Distiller<'m> {
-    model: &'m Llama,
-    exit_layer: usize,
-    subset: Option<VocabSubset>,
-    weights: LayerHeadWeights,
-    optim: ModuleOptimizer,
-    config: DistillConfig,
-    step: usize,
+    pub(crate) model: &'m Llama,
+    pub(crate) exit_layer: usize,
+    pub(crate) subset: Option<VocabSubset>,
+    pub(crate) weights: LayerHeadWeights,
+    pub(crate) optim: ModuleOptimizer,
+    pub(crate) config: DistillConfig,
+    pub(crate) step: usize,
     train_device: Device,
     rope: Rope,
     projection: Tensor<2>,
@@ -157,10 +186,7 @@ impl<'m> Distiller<'m> {
             None => lm_head,
         }
         .to_device(&train_device);
-        let optim = AdamWConfig::new()
-            .with_weight_decay(config.weight_decay)
-            .with_grad_clipping(Some(GradientClippingConfig::Norm(config.grad_clip_norm)))
-            .init();
+        let optim = optimizer(&config);
         let vocab = model.config().vocab_size;
         let column = match &subset {
             Some(s) => {
@@ -194,11 +220,20 @@ impl<'m> Distiller<'m> {
         self.step
     }
 
-    fn teacher(&self, tokens: &[u32]) -> Result<Teacher> {
+    /// The configuration in force (for a resumed run: the saved one).
+    pub fn config(&self) -> &DistillConfig {
+        &self.config
+    }
+
+    /// Teacher outputs for whole sequences packed into one block (one sequence: an ordinary
+    /// forward pass).
+    fn teacher(&self, sequences: &[&[u32]]) -> Result<Teacher> {
         let m = self.model;
-        let mut cache = m.new_cache();
-        let hidden = m.forward_layers(m.embed(tokens)?, 0..self.exit_layer, &mut cache)?;
-        let top = m.forward_layers(hidden.clone(), self.exit_layer..m.num_layers(), &mut cache)?;
+        let tokens: Vec<u32> = sequences.concat();
+        let lengths: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
+        let ctx = AttentionContext::packed(m.rope(), m.config(), &lengths)?;
+        let hidden = m.forward_packed(m.embed(&tokens)?, 0..self.exit_layer, &ctx)?;
+        let top = m.forward_packed(hidden.clone(), self.exit_layer..m.num_layers(), &ctx)?;
         let logits = m.logits(top);
         let argmax = logits
             .clone()
@@ -218,20 +253,15 @@ impl<'m> Distiller<'m> {
             hidden,
             log_probs: log_softmax(logits, 1),
             argmax,
+            lengths,
         })
     }
 
-    /// Student log-probabilities `[t, n]` on the training device.
-    fn student(&self, hidden: Tensor<2>) -> Result<Tensor<2>> {
+    /// Student log-probabilities `[t, n]` on the training device for the teacher's block.
+    fn student(&self, teacher: &Teacher) -> Result<Tensor<2>> {
         let c = self.model.config();
-        let t = hidden.dims()[0];
-        let ctx = AttentionContext::new(
-            &self.rope,
-            0,
-            t,
-            c.num_kv_heads,
-            c.num_heads / c.num_kv_heads,
-        );
+        let ctx = AttentionContext::packed(&self.rope, c, &teacher.lengths)?;
+        let hidden = teacher.hidden.clone().to_device(&self.train_device);
         let h = self.weights.forward(hidden, &self.rope, &ctx, None, c)?;
         Ok(log_softmax(linear(h, self.projection.clone()), 1))
     }
@@ -263,17 +293,17 @@ impl<'m> Distiller<'m> {
             .div_scalar(t)
     }
 
-    /// One optimisation step on one sequence (a packed run of tokens); returns the loss.
-    pub fn train_step(&mut self, tokens: &[u32]) -> Result<f64> {
-        if tokens.len() < 2 {
+    /// One optimisation step on a batch of whole sequences, packed into one block (see
+    /// [`pack`]); the loss is the mean over all their positions. Returns the loss.
+    pub fn train_step(&mut self, batch: &[&[u32]]) -> Result<f64> {
+        if batch.is_empty() || batch.iter().any(|s| s.len() < 2) {
             return Err(TrainError::InvalidConfig(
-                "a training sequence needs at least 2 tokens".into(),
+                "a training batch needs at least one sequence, each of at least 2 tokens".into(),
             ));
         }
-        let teacher = self.teacher(tokens)?;
-        let hidden = teacher.hidden.to_device(&self.train_device);
+        let teacher = self.teacher(batch)?;
+        let student = self.student(&teacher)?;
         let target = teacher.log_probs.to_device(&self.train_device);
-        let student = self.student(hidden)?;
         let mut loss = Self::kl(target, student.clone());
         if self.config.ce_weight > 0.0 {
             loss = loss + self.greedy_ce(student, &teacher.argmax) * self.config.ce_weight;
@@ -293,10 +323,8 @@ impl<'m> Distiller<'m> {
     pub fn evaluate(&self, sequences: &[Sequence], k: usize) -> Result<EvalMetrics> {
         let (mut kl, mut agree, mut accepted, mut positions) = (0.0, 0usize, 0.0, 0usize);
         for seq in sequences.iter().filter(|s| s.tokens.len() >= 2) {
-            let teacher = self.teacher(&seq.tokens)?;
-            let student = self
-                .student(teacher.hidden.clone().to_device(&self.train_device))?
-                .detach();
+            let teacher = self.teacher(&[&seq.tokens])?;
+            let student = self.student(&teacher)?.detach();
             // Score the positions that predict answer tokens: the last prompt position onwards.
             let t = seq.tokens.len();
             let from = seq.prompt_len.saturating_sub(1).min(t - 1);

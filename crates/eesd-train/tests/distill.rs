@@ -6,17 +6,23 @@ use burn::tensor::Tensor;
 use eesd_bandit::Policy;
 use eesd_core::{Backend, DraftHead, GenerationConfig, Generator, Mode};
 use eesd_models::testing::{tiny_config, tiny_gguf_bytes};
-use eesd_models::{HeadKind, LayerHead, Llama, LoadOptions, LoadedModel, VocabSubset};
+use eesd_models::{
+    AttentionContext, HeadKind, LayerHead, Llama, LoadOptions, LoadedModel, VocabSubset,
+};
 use eesd_train::checkpoint::FORMAT_VERSION;
 use eesd_train::{
     AnswerConfig, DistillConfig, Distiller, HeadMetadata, Sequence, TrainError, generate_answers,
-    load_layer_head, save_layer_head,
+    load_layer_head, pack, save_layer_head, state_path,
 };
 
 fn tiny(seed: u64) -> Llama {
+    tiny_with(&tiny_config(), seed)
+}
+
+fn tiny_with(config: &eesd_models::LlamaConfig, seed: u64) -> Llama {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tiny.gguf");
-    std::fs::write(&path, tiny_gguf_bytes(&tiny_config(), seed)).unwrap();
+    std::fs::write(&path, tiny_gguf_bytes(config, seed)).unwrap();
     let device = Backend::default_compiled().unwrap().device().unwrap();
     LoadedModel::load(&path, &device, &LoadOptions::default())
         .unwrap()
@@ -82,7 +88,7 @@ fn distillation_lowers_the_held_out_kl_for(kind: HeadKind, ce_weight: f32) {
     let mut d = Distiller::new(&model, head, config).unwrap();
     let before = d.evaluate(held_out, 4).unwrap();
     for step in 0..96 {
-        d.train_step(&train[step % train.len()].tokens).unwrap();
+        d.train_step(&[&train[step % train.len()].tokens]).unwrap();
     }
     let after = d.evaluate(held_out, 4).unwrap();
     assert!(
@@ -149,7 +155,7 @@ fn checkpoints_round_trip_for(kind: HeadKind) {
         DistillConfig::default(),
     )
     .unwrap();
-    d.train_step(&[257, 72, 101, 108, 108, 111]).unwrap();
+    d.train_step(&[&[257, 72, 101, 108, 108, 111]]).unwrap();
     let head = d.into_head();
     let dir = tempfile::tempdir().unwrap();
     let prefix = dir.path().join("head");
@@ -246,7 +252,7 @@ fn a_trained_reduced_vocabulary_head_keeps_eesd_lossless() {
     )
     .unwrap();
     for seq in &data {
-        d.train_step(&seq.tokens).unwrap();
+        d.train_step(&[&seq.tokens]).unwrap();
     }
     let head = d.into_head();
     let prompt = [257, 84, 104, 101];
@@ -335,5 +341,194 @@ fn batched_answer_generation_equals_one_at_a_time_generation() {
     assert!(matches!(
         generate_answers(&model, prompts, &bad, |_, _| Ok(())),
         Err(TrainError::InvalidConfig(_))
+    ));
+}
+
+fn values(t: Tensor<2>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .unwrap()
+}
+
+#[test]
+fn a_packed_block_computes_each_sequence_as_if_alone() {
+    let model = tiny(24);
+    let seqs: [&[u32]; 3] = [
+        &[257, 72, 101, 108],
+        &[257, 80, 81, 82, 83, 84, 85],
+        &[257, 90],
+    ];
+    let lengths: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
+    let ctx = AttentionContext::packed(model.rope(), model.config(), &lengths).unwrap();
+    let packed = model
+        .forward_packed(model.embed(&seqs.concat()).unwrap(), 0..4, &ctx)
+        .unwrap();
+    let mut row = 0;
+    for s in seqs {
+        let mut cache = model.new_cache();
+        let alone = values(
+            model
+                .forward_layers(model.embed(s).unwrap(), 0..4, &mut cache)
+                .unwrap(),
+        );
+        let part = values(packed.clone().narrow(0, row, s.len()));
+        let diff = alone
+            .iter()
+            .zip(&part)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(diff < 1e-4, "sequence at row {row} differs by {diff}");
+        row += s.len();
+    }
+    // Mismatched contexts, empty sequences and a cache with a packed block are errors.
+    let short = AttentionContext::packed(model.rope(), model.config(), &[4, 7]).unwrap();
+    assert!(
+        model
+            .forward_packed(model.embed(&seqs.concat()).unwrap(), 0..4, &short)
+            .is_err()
+    );
+    assert!(AttentionContext::packed(model.rope(), model.config(), &[3, 0]).is_err());
+    assert!(AttentionContext::packed(model.rope(), model.config(), &[]).is_err());
+    assert!(AttentionContext::packed(model.rope(), model.config(), &[100_000]).is_err());
+    let mut cache = eesd_models::LayerCache::new();
+    assert!(
+        model.layers()[0]
+            .forward(packed, model.rope(), &ctx, Some(&mut cache), 128)
+            .is_err()
+    );
+}
+
+#[test]
+fn a_packed_batch_loss_is_the_mean_over_its_sequences() {
+    let model = tiny(25);
+    let data = self_generated(&model, 3, 12);
+    let fresh = || {
+        let head = LayerHead::from_model(&model, HeadKind::Layer, 2, 3, None).unwrap();
+        let config = DistillConfig {
+            ce_weight: 0.5,
+            ..Default::default()
+        };
+        Distiller::new(&model, head, config).unwrap()
+    };
+    // The loss is computed before the update, so fresh distillers see the same weights.
+    let alone: Vec<f64> = data
+        .iter()
+        .map(|s| fresh().train_step(&[&s.tokens]).unwrap())
+        .collect();
+    let batch: Vec<&[u32]> = data.iter().map(|s| s.tokens.as_slice()).collect();
+    let packed = fresh().train_step(&batch).unwrap();
+    // KL is a mean over positions; CE a mean over (here: all) positions too.
+    let total: usize = data.iter().map(|s| s.tokens.len()).sum();
+    let weighted: f64 = data
+        .iter()
+        .zip(&alone)
+        .map(|(s, l)| l * s.tokens.len() as f64)
+        .sum::<f64>()
+        / total as f64;
+    assert!(
+        (packed - weighted).abs() < 1e-3 * weighted.abs().max(1.0),
+        "packed loss {packed} vs weighted mean of alone {weighted}"
+    );
+    assert!(matches!(
+        fresh().train_step(&[]),
+        Err(TrainError::InvalidConfig(_))
+    ));
+    assert!(matches!(
+        fresh().train_step(&[&[257]]),
+        Err(TrainError::InvalidConfig(_))
+    ));
+}
+
+#[test]
+fn packing_keeps_order_and_the_token_budget() {
+    assert_eq!(
+        pack(&[3, 4, 5, 10, 2, 1], 8),
+        vec![vec![0, 1], vec![2], vec![3], vec![4, 5]]
+    );
+    assert!(pack(&[], 8).is_empty());
+}
+
+#[test]
+fn a_resumed_run_continues_exactly() {
+    for kind in [HeadKind::Layer, HeadKind::Adapter] {
+        a_resumed_run_continues_exactly_for(kind);
+    }
+}
+
+fn a_resumed_run_continues_exactly_for(kind: HeadKind) {
+    let model = tiny(26);
+    let data = self_generated(&model, 4, 10);
+    let subset = VocabSubset::new((0..200).collect(), 259).unwrap();
+    let config = DistillConfig {
+        learning_rate: 2e-3,
+        warmup_steps: 2,
+        total_steps: 6,
+        ..Default::default()
+    };
+    let start = || {
+        let head = LayerHead::from_model(&model, kind, 2, 2, Some(&subset)).unwrap();
+        Distiller::new(&model, head, config.clone()).unwrap()
+    };
+    let step = |d: &mut Distiller, i: usize| d.train_step(&[&data[i % data.len()].tokens]);
+    let mut straight = start();
+    let mut straight_losses = Vec::new();
+    for i in 0..6 {
+        straight_losses.push(step(&mut straight, i).unwrap());
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = dir.path().join("run");
+    let mut first = start();
+    for i in 0..2 {
+        step(&mut first, i).unwrap();
+    }
+    first
+        .save_state(&prefix, serde_json::json!({"note": 1}))
+        .unwrap();
+    step(&mut first, 2).unwrap();
+    first
+        .save_state(&prefix, serde_json::json!({"note": 2}))
+        .unwrap();
+    drop(first);
+    // Only the latest state's files are kept.
+    let files = std::fs::read_dir(dir.path()).unwrap().count();
+    assert_eq!(files, 3, "state json + head + optimizer");
+
+    let (mut resumed, extra) = Distiller::resume(&model, &prefix).unwrap();
+    assert_eq!(extra["note"], 2);
+    assert_eq!(resumed.step(), 3);
+    let mut resumed_losses = Vec::new();
+    for i in 3..6 {
+        resumed_losses.push(step(&mut resumed, i).unwrap());
+    }
+    assert_eq!(
+        resumed_losses,
+        straight_losses[3..],
+        "{kind:?}: a resumed run must see the same losses"
+    );
+    let wqkv = |d: Distiller| values(d.into_head().weights().layer.wqkv.val());
+    assert_eq!(wqkv(resumed), wqkv(straight), "{kind:?}: same weights");
+
+    // Another model shape, a broken state file, no state at all: typed errors.
+    let other = tiny_with(
+        &eesd_models::LlamaConfig {
+            num_layers: 2,
+            ..tiny_config()
+        },
+        1,
+    );
+    assert!(matches!(
+        Distiller::resume(&other, &prefix),
+        Err(TrainError::Mismatch(_))
+    ));
+    std::fs::write(state_path(&prefix), "{").unwrap();
+    assert!(matches!(
+        Distiller::resume(&model, &prefix),
+        Err(TrainError::Malformed { .. })
+    ));
+    assert!(matches!(
+        Distiller::resume(&model, &dir.path().join("none")),
+        Err(TrainError::Io { .. })
     ));
 }

@@ -1,0 +1,160 @@
+//! Resumable training: everything a [`Distiller`] needs to continue exactly where it stopped —
+//! the head's f32 weights, the AdamW moments, the step and the configuration.
+//!
+//! A state `PREFIX` is `PREFIX.state.json` plus two burnpack files named after the step
+//! (`PREFIX.step-000300.head.bpk`, `PREFIX.step-000300.optim.bpk`). The JSON is written last
+//! and atomically (write, then rename), so an interrupted save leaves the previous state whole;
+//! the previous step's files are removed only after that.
+
+use std::path::{Path, PathBuf};
+
+use burn::module::Module;
+use eesd_models::{HeadKind, LayerHead, Llama, VocabSubset};
+use serde::{Deserialize, Serialize};
+
+use crate::distill::{DistillConfig, Distiller, optimizer};
+use crate::error::{Result, TrainError};
+
+/// What `PREFIX.state.json` holds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainingState {
+    /// Optimisation steps taken.
+    pub step: usize,
+    /// The configuration the run continues with.
+    pub config: DistillConfig,
+    /// Exit layer N.
+    pub exit_layer: usize,
+    /// Whole layer or adapter.
+    pub head_kind: HeadKind,
+    /// Draft vocabulary subset, if reduced.
+    pub vocab_subset: Option<Vec<u32>>,
+    /// Width and depth of the model trained against (checked on resume).
+    pub hidden_size: usize,
+    /// Layers of the model trained against.
+    pub num_layers: usize,
+    /// Head weights file (beside the JSON).
+    pub head_file: String,
+    /// Optimizer state file (beside the JSON).
+    pub optim_file: String,
+    /// Anything the caller wants back on resume (e.g. its evaluation history).
+    #[serde(default)]
+    pub extra: serde_json::Value,
+}
+
+/// `PREFIX.state.json`.
+pub fn state_path(prefix: &Path) -> PathBuf {
+    prefix.with_extension("state.json")
+}
+
+/// Reads `PREFIX.state.json`.
+pub fn read_state(prefix: &Path) -> Result<TrainingState> {
+    let path = state_path(prefix);
+    let text = std::fs::read_to_string(&path).map_err(|e| TrainError::io(&path, e))?;
+    serde_json::from_str(&text).map_err(|e| TrainError::Malformed {
+        path,
+        reason: e.to_string(),
+    })
+}
+
+fn record_error(path: &Path, e: impl std::fmt::Debug) -> TrainError {
+    TrainError::Malformed {
+        path: path.to_path_buf(),
+        reason: format!("{e:?}"),
+    }
+}
+
+impl<'m> Distiller<'m> {
+    /// Saves the training state under `prefix` (see the module docs), with `extra` stored
+    /// alongside for the caller.
+    pub fn save_state(&self, prefix: &Path, extra: serde_json::Value) -> Result<()> {
+        let dir = prefix.parent().unwrap_or(Path::new(""));
+        let stem = prefix
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .ok_or_else(|| TrainError::InvalidConfig(format!("state prefix {prefix:?}")))?;
+        let head_file = format!("{stem}.step-{:06}.head.bpk", self.step);
+        let optim_file = format!("{stem}.step-{:06}.optim.bpk", self.step);
+        let previous = read_state(prefix).ok();
+        let head_path = dir.join(&head_file);
+        self.weights
+            .clone()
+            .save_file(&head_path)
+            .map_err(|e| record_error(&head_path, e))?;
+        let optim_path = dir.join(&optim_file);
+        self.optim
+            .save(&optim_path)
+            .map_err(|e| record_error(&optim_path, e))?;
+        let c = self.model.config();
+        let state = TrainingState {
+            step: self.step,
+            config: self.config.clone(),
+            exit_layer: self.exit_layer,
+            head_kind: self.weights.kind,
+            vocab_subset: self.subset.as_ref().map(|s| s.ids().to_vec()),
+            hidden_size: c.hidden_size,
+            num_layers: c.num_layers,
+            head_file,
+            optim_file,
+            extra,
+        };
+        let json_path = state_path(prefix);
+        let tmp = json_path.with_extension("json.tmp");
+        let json = serde_json::to_string_pretty(&state).map_err(|e| record_error(&tmp, e))?;
+        std::fs::write(&tmp, json).map_err(|e| TrainError::io(&tmp, e))?;
+        std::fs::rename(&tmp, &json_path).map_err(|e| TrainError::io(&json_path, e))?;
+        if let Some(old) = previous {
+            for file in [old.head_file, old.optim_file] {
+                if file != state.head_file && file != state.optim_file {
+                    // A leftover file only wastes space; the new state is already complete.
+                    let _ = std::fs::remove_file(dir.join(file));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Continues a run saved by [`Distiller::save_state`] for `model`: same weights, optimizer
+    /// moments, step and configuration, so the remaining steps match an uninterrupted run.
+    /// A state made for a model of another shape is an error.
+    pub fn resume(model: &'m Llama, prefix: &Path) -> Result<(Self, serde_json::Value)> {
+        let state = read_state(prefix)?;
+        let c = model.config();
+        if state.hidden_size != c.hidden_size
+            || state.num_layers != c.num_layers
+            || state.exit_layer == 0
+            || state.exit_layer >= c.num_layers
+        {
+            return Err(TrainError::Mismatch(format!(
+                "training state for hidden size {} with {} layers at exit layer {}, model has hidden size {} and {} layers",
+                state.hidden_size, state.num_layers, state.exit_layer, c.hidden_size, c.num_layers
+            )));
+        }
+        let subset = state
+            .vocab_subset
+            .clone()
+            .map(|ids| VocabSubset::new(ids, c.vocab_size))
+            .transpose()?;
+        let template = LayerHead::from_model(
+            model,
+            state.head_kind,
+            state.exit_layer,
+            state.exit_layer,
+            subset.as_ref(),
+        )?;
+        let mut distiller = Distiller::new(model, template, state.config.clone())?;
+        let dir = prefix.parent().unwrap_or(Path::new(""));
+        let head_path = dir.join(&state.head_file);
+        distiller.weights = distiller
+            .weights
+            .clone()
+            .try_load_file(&head_path)
+            .map_err(|e| record_error(&head_path, e))?;
+        let optim_path = dir.join(&state.optim_file);
+        let fresh = optimizer(&state.config);
+        distiller.optim = fresh
+            .load(&optim_path)
+            .map_err(|e| record_error(&optim_path, e))?;
+        distiller.step = state.step;
+        Ok((distiller, state.extra))
+    }
+}
