@@ -4,10 +4,14 @@
 //! cargo run --release --example spec_bench -- --questions ../shared/data/spec_bench.jsonl \
 //!     --per-category 2 --max-new-tokens 128 [--methods norm@8/cost-ts,norm@12/fixed:2] [--json] [--out DIR]
 //! ```
-//! A method is `HEAD@LAYER/POLICY`; HEAD is `norm` or the path prefix of a trained head checkpoint. For every question the methods run right after
+//! A method is `HEAD[@LAYER]/POLICY`; HEAD is `shipped`, the path prefix of a trained head
+//! checkpoint, `norm@LAYER` (parameter-free), or `oracle:A[+HEAD]` — the work of HEAD (default
+//! the shipped head) with drafts that agree with AR at rate A (see `oracle.rs`; it measures the
+//! ceiling a head of that quality would reach). For every question the methods run right after
 //! AR on the same prompt (first turn, chat template), so machine drift cancels in the speedup, and
 //! every method's tokens are compared with AR's: `divergences` must be 0.
 
+mod oracle;
 mod plots;
 
 use std::collections::BTreeMap;
@@ -23,6 +27,7 @@ use eesd::core::{Backend, GenerationConfig, GenerationOutput, Generator, Mode};
 use eesd::models::{AnyHead, Llama, LoadOptions, LoadedModel, NormHead, WeightDType, fetch};
 use eesd::train::{file_sha256, load_layer_head};
 use indicatif::{ProgressBar, ProgressStyle};
+use oracle::{BenchHead, Oracle};
 use serde::Deserialize;
 
 #[derive(Parser, Debug)]
@@ -37,8 +42,9 @@ struct Args {
     #[arg(long, default_value_t = 128)]
     max_new_tokens: usize,
     /// Methods besides AR, comma-separated `HEAD[@LAYER]/POLICY`: HEAD is `shipped` (the
-    /// trained head in assets/heads), a checkpoint prefix, or `norm@LAYER` (the parameter-free
-    /// baseline); POLICY as `Policy::parse` (fixed:K, threshold:T, beta-ts, calibrated-ts,
+    /// trained head in assets/heads), a checkpoint prefix, `norm@LAYER` (the parameter-free
+    /// baseline) or `oracle:A[+HEAD]` (HEAD's cost, default shipped; AR's token with
+    /// probability A); POLICY as `Policy::parse` (fixed:K, threshold:T, beta-ts, calibrated-ts,
     /// cost-ts).
     #[arg(
         long,
@@ -71,11 +77,12 @@ struct Method {
     name: String,
     exit_layer: usize,
     policy: Policy,
-    head: AnyHead,
+    head: BenchHead,
 }
 
 /// `HEAD[@LAYER]/POLICY`: HEAD is `norm` (needs `@LAYER`), `shipped` (the head in
-/// `assets/heads`) or a checkpoint prefix; a trained head's layer defaults to its own.
+/// `assets/heads`), a checkpoint prefix or `oracle:A[+HEAD]`; a trained head's layer defaults to
+/// its own.
 fn parse_method(spec: &str, seed: u64, lm: &LoadedModel, model_sha: &str) -> Result<Method> {
     // The policy follows the last '/' (checkpoint prefixes are paths).
     let (head, policy) = spec
@@ -83,6 +90,17 @@ fn parse_method(spec: &str, seed: u64, lm: &LoadedModel, model_sha: &str) -> Res
         .context("method must be HEAD[@LAYER]/POLICY")?;
     let (head, layer) = match head.rsplit_once('@') {
         Some((h, l)) => (h, Some(l.parse::<usize>()?)),
+        None => (head, None),
+    };
+    // `oracle:A` steers the shipped head, `oracle:A+HEAD` another one.
+    let (head, oracle) = match head.strip_prefix("oracle:") {
+        Some(rest) => {
+            let (agreement, base) = rest.split_once('+').unwrap_or((rest, "shipped"));
+            let agreement = agreement
+                .parse::<f64>()
+                .with_context(|| format!("oracle agreement `{agreement}` of method `{spec}`"))?;
+            (base, Some(Oracle::new(agreement)?))
+        }
         None => (head, None),
     };
     let (head, exit_layer) = if head == "norm" {
@@ -104,6 +122,7 @@ fn parse_method(spec: &str, seed: u64, lm: &LoadedModel, model_sha: &str) -> Res
         }
         (AnyHead::Layer(Box::new(h)), meta.exit_layer)
     };
+    let head = BenchHead { head, oracle };
     Ok(Method {
         name: spec.to_string(),
         exit_layer,
@@ -209,7 +228,7 @@ fn main() -> Result<()> {
         .map(|m| parse_method(m, 1, &lm, &sha))
         .collect::<Result<_>>()?;
     // One generator per method, alive for the whole run, so learning policies carry over.
-    let mut generators: Vec<Generator<'_, Llama, AnyHead>> = methods
+    let mut generators: Vec<Generator<'_, Llama, BenchHead>> = methods
         .iter()
         .map(|m| {
             Generator::new(&lm.model)
@@ -246,6 +265,7 @@ fn main() -> Result<()> {
                 exit_layer: Some(m.exit_layer),
                 ..base.clone()
             };
+            m.head.set_target(&prompt, &ar.tokens);
             let out = g.generate(&prompt, &config, |_| ControlFlow::Continue(()))?;
             let diverged = out.tokens != ar.tokens;
             if diverged {
