@@ -278,20 +278,27 @@ fn main() -> Result<()> {
         running = Some(smooth);
         bar.set_message(format!("{smooth:.3}"));
         bar.inc(1);
+        // The last step is evaluated and saved once, below.
         let done = step + 1;
-        if done % args.eval_every == 0 || done == config.total_steps {
+        if done % args.eval_every == 0 && done < config.total_steps {
             let metrics = distiller.evaluate(held_out, k)?;
             bar.suspend(|| eprintln!("step {done}: {metrics:?}"));
             history
                 .push(serde_json::json!({ "step": done, "train_loss": smooth, "eval": metrics }));
         }
-        if args.save_every > 0 && done % args.save_every == 0 {
+        if args.save_every > 0 && done % args.save_every == 0 && done < config.total_steps {
             save(&distiller, &history)?;
         }
     }
     bar.finish();
-    save(&distiller, &history)?;
     let after = distiller.evaluate(held_out, k)?;
+    let total = config.total_steps;
+    // A resumed run that had already finished has its final entry.
+    if history.last().map(|h| h["step"] != total).unwrap_or(true) {
+        eprintln!("step {total}: {after:?}");
+        history.push(serde_json::json!({ "step": total, "train_loss": running, "eval": after }));
+    }
+    save(&distiller, &history)?;
     let head = distiller.into_head();
 
     // (4) Checkpoint.

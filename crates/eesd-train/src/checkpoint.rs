@@ -139,6 +139,29 @@ pub fn read_metadata(prefix: &Path) -> Result<HeadMetadata> {
     })
 }
 
+/// Refuses a head trained for another residual width, an exit layer the model does not have, or
+/// (when recorded) a model of another depth.
+pub(crate) fn ensure_fits(
+    model: &Llama,
+    hidden_size: usize,
+    exit_layer: usize,
+    num_layers: Option<usize>,
+) -> Result<()> {
+    let c = model.config();
+    if hidden_size != c.hidden_size
+        || num_layers.is_some_and(|n| n != c.num_layers)
+        || exit_layer == 0
+        || exit_layer >= c.num_layers
+    {
+        let depth = num_layers.map_or(String::new(), |n| format!(" of a {n}-layer model"));
+        return Err(TrainError::Mismatch(format!(
+            "head for hidden size {hidden_size} at layer {exit_layer}{depth}, model has hidden size {} and {} layers",
+            c.hidden_size, c.num_layers
+        )));
+    }
+    Ok(())
+}
+
 /// Loads a [`LayerHead`] for `model`, refusing a checkpoint made for another base model (by
 /// file hash, when `base_sha256` is given), architecture width or layer count.
 pub fn load_layer_head(
@@ -163,13 +186,7 @@ pub fn load_layer_head(
         )));
     }
     let c = model.config();
-    if meta.hidden_size != c.hidden_size || meta.exit_layer == 0 || meta.exit_layer >= c.num_layers
-    {
-        return Err(TrainError::Mismatch(format!(
-            "head for hidden size {} at layer {}, model has hidden size {} and {} layers",
-            meta.hidden_size, meta.exit_layer, c.hidden_size, c.num_layers
-        )));
-    }
+    ensure_fits(model, meta.hidden_size, meta.exit_layer, None)?;
     let (st_path, _) = checkpoint_paths(prefix);
     let bytes = std::fs::read(&st_path).map_err(|e| TrainError::io(&st_path, e))?;
     let malformed = |reason: String| TrainError::Malformed {

@@ -12,6 +12,7 @@ use burn::module::Module;
 use eesd_models::{HeadKind, LayerHead, Llama, VocabSubset};
 use serde::{Deserialize, Serialize};
 
+use crate::checkpoint::ensure_fits;
 use crate::distill::{DistillConfig, Distiller, optimizer};
 use crate::error::{Result, TrainError};
 
@@ -119,16 +120,12 @@ impl<'m> Distiller<'m> {
     pub fn resume(model: &'m Llama, prefix: &Path) -> Result<(Self, serde_json::Value)> {
         let state = read_state(prefix)?;
         let c = model.config();
-        if state.hidden_size != c.hidden_size
-            || state.num_layers != c.num_layers
-            || state.exit_layer == 0
-            || state.exit_layer >= c.num_layers
-        {
-            return Err(TrainError::Mismatch(format!(
-                "training state for hidden size {} with {} layers at exit layer {}, model has hidden size {} and {} layers",
-                state.hidden_size, state.num_layers, state.exit_layer, c.hidden_size, c.num_layers
-            )));
-        }
+        ensure_fits(
+            model,
+            state.hidden_size,
+            state.exit_layer,
+            Some(state.num_layers),
+        )?;
         let subset = state
             .vocab_subset
             .clone()
