@@ -4,19 +4,43 @@
 //! only moves a length counter, and the next append overwrites the stale rows in place. Each
 //! layer keeps its own length, so the first N layers (advanced token by token while drafting)
 //! and the last M layers (advanced a block at a time while verifying) can run separately.
+//!
+//! Keys and values live either in burn tensors (any backend) or, for the fused CPU layer on
+//! flex, in plain host rows ([`HostKv`]); a cache converts itself when the other kind of
+//! forward pass uses it, so the two never disagree.
 
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{Device, Tensor, TensorData};
 
 use crate::error::{ModelError, Result};
 
 /// Initial capacity (positions) of a layer cache; doubled on demand up to the context length.
 const INITIAL_CAPACITY: usize = 256;
 
-/// Keys and values of one attention layer: `[kv_heads, capacity, head_dim]` buffers.
+/// Keys and values of one attention layer.
 #[derive(Debug, Clone)]
 pub struct LayerCache {
-    kv: Option<(Tensor<3>, Tensor<3>)>,
+    store: Store,
     len: usize,
+}
+
+#[derive(Debug, Clone)]
+enum Store {
+    Empty,
+    /// `[kv_heads, capacity, head_dim]` buffers.
+    Tensors(Box<(Tensor<3>, Tensor<3>)>),
+    Host(HostKv),
+}
+
+/// Keys and values as host rows `[position][kv_head · head_dim]` (rows past the cache's length
+/// are stale and overwritten by the next append).
+#[derive(Debug, Clone, Default)]
+pub struct HostKv {
+    /// Keys.
+    pub k: Vec<f32>,
+    /// Values.
+    pub v: Vec<f32>,
+    /// Floats per position (`kv_heads · head_dim`).
+    pub width: usize,
 }
 
 impl Default for LayerCache {
@@ -28,7 +52,10 @@ impl Default for LayerCache {
 impl LayerCache {
     /// An empty cache.
     pub fn new() -> Self {
-        LayerCache { kv: None, len: 0 }
+        LayerCache {
+            store: Store::Empty,
+            len: 0,
+        }
     }
 
     /// Number of cached positions.
@@ -59,9 +86,11 @@ impl LayerCache {
             return Err(ModelError::ContextOverflow { needed: end, limit });
         }
         let device = k.device();
-        let (mut kb, mut vb) = match self.kv.take() {
-            Some(buffers) => buffers,
-            None => {
+        let store = std::mem::replace(&mut self.store, Store::Empty);
+        let (mut kb, mut vb) = match store {
+            Store::Tensors(kv) => *kv,
+            Store::Host(host) => host.to_tensors(self.len, heads, dim, &device),
+            Store::Empty => {
                 let cap = INITIAL_CAPACITY.max(end).min(limit);
                 (
                     zeros(heads, cap, dim, &device),
@@ -84,9 +113,92 @@ impl LayerCache {
         kb = kb.slice_assign(range.clone(), k);
         vb = vb.slice_assign(range, v);
         let views = (kb.clone().narrow(1, 0, end), vb.clone().narrow(1, 0, end));
-        self.kv = Some((kb, vb));
+        self.store = Store::Tensors(Box::new((kb, vb)));
         self.len = end;
         Ok(views)
+    }
+
+    /// Makes room for positions up to `end` in host rows of `width` floats and returns them;
+    /// the caller writes rows `len()..end` and then calls [`LayerCache::set_len`].
+    pub(crate) fn host_rows(
+        &mut self,
+        width: usize,
+        end: usize,
+        limit: usize,
+    ) -> Result<&mut HostKv> {
+        if end > limit {
+            return Err(ModelError::ContextOverflow { needed: end, limit });
+        }
+        let store = std::mem::replace(&mut self.store, Store::Empty);
+        let mut host = match store {
+            Store::Host(host) if host.width == width => host,
+            Store::Tensors(kv) => HostKv::from_tensors(&kv.0, &kv.1, self.len)?,
+            _ => HostKv {
+                width,
+                ..HostKv::default()
+            },
+        };
+        if host.width != width {
+            return Err(ModelError::InvalidArgument(format!(
+                "a cache of {}-wide rows used by a layer with {width}",
+                host.width
+            )));
+        }
+        if host.k.len() < end * width {
+            // Grow geometrically (Vec::resize alone would grow to exactly `end`).
+            let cap = (host.k.len() / width.max(1) * 2)
+                .max(end)
+                .max(INITIAL_CAPACITY)
+                .min(limit);
+            host.k.resize(cap * width, 0.0);
+            host.v.resize(cap * width, 0.0);
+        }
+        self.store = Store::Host(host);
+        match &mut self.store {
+            Store::Host(host) => Ok(host),
+            _ => unreachable!("just stored"),
+        }
+    }
+
+    /// Sets the number of cached positions after [`LayerCache::host_rows`] was filled.
+    pub(crate) fn set_len(&mut self, len: usize) {
+        self.len = len;
+    }
+}
+
+impl HostKv {
+    /// Host rows of the first `len` positions of `[kv_heads, capacity, head_dim]` tensors.
+    fn from_tensors(k: &Tensor<3>, v: &Tensor<3>, len: usize) -> Result<Self> {
+        let [heads, _, dim] = k.dims();
+        let rows = |t: &Tensor<3>| -> Result<Vec<f32>> {
+            let data = t.clone().narrow(1, 0, len).swap_dims(0, 1).into_data();
+            data.convert::<f32>()
+                .try_into_vec::<f32>()
+                .map_err(|e| ModelError::InvalidArgument(format!("kv cache: {e:?}")))
+        };
+        Ok(HostKv {
+            k: rows(k)?,
+            v: rows(v)?,
+            width: heads * dim,
+        })
+    }
+
+    /// `[heads, len, dim]` tensors of the first `len` positions.
+    fn to_tensors(
+        &self,
+        len: usize,
+        heads: usize,
+        dim: usize,
+        device: &Device,
+    ) -> (Tensor<3>, Tensor<3>) {
+        let tensor = |rows: &[f32]| {
+            Tensor::<3>::from_data(
+                TensorData::new(rows[..len * heads * dim].to_vec(), [len, heads, dim]),
+                device,
+            )
+            .swap_dims(0, 1)
+        };
+        (tensor(&self.k), tensor(&self.v))
     }
 }
 

@@ -17,6 +17,7 @@ use eesd_core::{DraftHead, DraftLogits};
 
 use crate::cache::LayerCache;
 use crate::config::LlamaConfig;
+use crate::cpu::PackedCache;
 use crate::error::{ModelError, Result};
 use crate::layer::{AttentionContext, DecoderLayer, linear, rms_norm};
 use crate::llama::Llama;
@@ -97,6 +98,7 @@ impl VocabSubset {
 struct Projection {
     weight: Tensor<2>,
     ids: Option<Arc<Vec<u32>>>,
+    packed: PackedCache,
 }
 
 impl Projection {
@@ -105,17 +107,19 @@ impl Projection {
             None => Projection {
                 weight: model.lm_head().clone(),
                 ids: None,
+                packed: PackedCache::default(),
             },
             Some(s) => Projection {
                 weight: s.rows_of(model.lm_head()),
                 ids: Some(s.ids.clone()),
+                packed: PackedCache::default(),
             },
         }
     }
 
     fn logits(&self, normed: Tensor<2>) -> DraftLogits {
         DraftLogits {
-            logits: linear(normed, self.weight.clone()),
+            logits: linear(normed, &self.weight, &self.packed),
             token_ids: self.ids.clone(),
         }
     }

@@ -12,6 +12,7 @@ use burn::tensor::{Bool, DType, Device, FloatDType, Tensor};
 
 use crate::cache::LayerCache;
 use crate::config::LlamaConfig;
+use crate::cpu::PackedCache;
 use crate::error::{ModelError, Result};
 use crate::rope::Rope;
 
@@ -30,16 +31,19 @@ pub fn rms_norm(x: Tensor<2>, gamma: Tensor<1>, eps: f64) -> Tensor<2> {
 /// one. With `x · w[in, out]` it vectorises along the block's few rows instead, and verifying 8
 /// tokens would cost 5× one token (measured: `cargo run --release --example block_cost`).
 ///
-/// On flex, f32 blocks of up to [`MAX_STREAMING_ROWS`](crate::streaming::MAX_STREAMING_ROWS)
-/// rows (decoding, drafting, verification) go through the weight-streaming kernel of
-/// [`crate::streaming`] instead, whose block cost stays near one token's.
-pub fn linear(x: Tensor<2>, w: Tensor<2>) -> Tensor<2> {
+/// On flex (outside autodiff) every block goes through the packed CPU kernel of
+/// [`crate::cpu`] instead, with f32 activations against f32, f16 or bf16 weights: memory-bound
+/// for a few rows, FMA-bound for many, and batch-invariant (a block's rows equal the rows run
+/// one at a time, bit for bit). `cache` keeps the weight's packed copy.
+pub fn linear(x: Tensor<2>, w: &Tensor<2>, cache: &PackedCache) -> Tensor<2> {
     #[cfg(feature = "flex")]
-    if let Some(y) = crate::streaming::streaming_linear(&x, &w) {
+    if let Some(y) = crate::cpu::packed_linear(&x, w, cache) {
         return y;
     }
+    #[cfg(not(feature = "flex"))]
+    let _ = cache;
     let dtype = w.dtype();
-    let y = w.matmul(cast_to(x, dtype).transpose()).transpose();
+    let y = w.clone().matmul(cast_to(x, dtype).transpose()).transpose();
     cast_to(y, DType::F32)
 }
 
@@ -189,20 +193,29 @@ pub struct DecoderLayer {
     pub ffn: usize,
     /// RMSNorm epsilon.
     pub eps: f64,
+    /// Packed copies of the four weight matrices for the flex CPU kernel (filled on first use).
+    #[module(skip)]
+    pub packed: PackedCache,
 }
 
 impl DecoderLayer {
     /// Runs the layer on `x: [t, hidden]`. With a cache, the new keys/values are appended and
     /// attention covers every cached position; without one, attention covers `x` alone.
+    ///
+    /// On flex (outside autodiff) the whole layer runs as one fused host computation
+    /// ([`crate::cpu`]); elsewhere through burn's tensor operations.
     pub fn forward(
         &self,
         x: Tensor<2>,
         rope: &Rope,
         ctx: &AttentionContext,
-        cache: Option<&mut LayerCache>,
+        mut cache: Option<&mut LayerCache>,
         limit: usize,
     ) -> Result<Tensor<2>> {
-        let x = self.forward_attention_only(x, rope, ctx, cache, limit)?;
+        if let Some(y) = self.fused(&x, rope, ctx, cache.as_deref_mut(), limit, true) {
+            return y;
+        }
+        let x = self.attention_residual(x, rope, ctx, cache, limit)?;
         Ok(self.mlp_residual(x))
     }
 
@@ -213,15 +226,67 @@ impl DecoderLayer {
         x: Tensor<2>,
         rope: &Rope,
         ctx: &AttentionContext,
+        mut cache: Option<&mut LayerCache>,
+        limit: usize,
+    ) -> Result<Tensor<2>> {
+        if let Some(y) = self.fused(&x, rope, ctx, cache.as_deref_mut(), limit, false) {
+            return y;
+        }
+        self.attention_residual(x, rope, ctx, cache, limit)
+    }
+
+    /// The fused flex path for a block described by `ctx` (`None` when it does not apply).
+    fn fused(
+        &self,
+        x: &Tensor<2>,
+        rope: &Rope,
+        ctx: &AttentionContext,
+        cache: Option<&mut LayerCache>,
+        limit: usize,
+        mlp: bool,
+    ) -> Option<Result<Tensor<2>>> {
+        #[cfg(feature = "flex")]
+        {
+            use crate::cpu::decoder::{SeqRows, forward};
+            let mut seqs: Vec<SeqRows<'_>> = match (ctx.segments.as_slice(), cache) {
+                ([seg], cache) => vec![SeqRows {
+                    rows: seg.rows.clone(),
+                    cache,
+                }],
+                (segs, None) => segs
+                    .iter()
+                    .map(|seg| SeqRows {
+                        rows: seg.rows.clone(),
+                        cache: None,
+                    })
+                    .collect(),
+                // A packed block with a cache: burn's path reports the error.
+                (_, Some(_)) => return None,
+            };
+            forward(self, x, rope, &mut seqs, limit, mlp)
+        }
+        #[cfg(not(feature = "flex"))]
+        {
+            let _ = (x, rope, ctx, cache, limit, mlp);
+            None
+        }
+    }
+
+    /// `x + attention(norm(x))` through burn's tensor operations.
+    fn attention_residual(
+        &self,
+        x: Tensor<2>,
+        rope: &Rope,
+        ctx: &AttentionContext,
         cache: Option<&mut LayerCache>,
         limit: usize,
     ) -> Result<Tensor<2>> {
-        let qkv = linear(
+        let qkv = self.project(
             rms_norm(x.clone(), self.attn_norm.val(), self.eps),
-            self.wqkv.val(),
+            &self.wqkv,
         );
         let out = self.attend(qkv, rope, ctx, cache, limit)?;
-        Ok(x + linear(out, self.wo.val()))
+        Ok(x + self.project(out, &self.wo))
     }
 
     /// Runs the layer on one new token from each of `b` independent sequences, `x: [b, hidden]`,
@@ -236,17 +301,53 @@ impl DecoderLayer {
         caches: &mut [&mut LayerCache],
         limit: usize,
     ) -> Result<Tensor<2>> {
-        let qkv = linear(
+        if positions.len() != caches.len()
+            || caches.iter().zip(positions).any(|(c, &p)| c.len() != p)
+        {
+            return Err(ModelError::InvalidArgument(
+                "forward_batch: each sequence's position must be its cache length".into(),
+            ));
+        }
+        #[cfg(feature = "flex")]
+        {
+            use crate::cpu::decoder::{SeqRows, forward};
+            let mut seqs: Vec<SeqRows<'_>> = caches
+                .iter_mut()
+                .enumerate()
+                .map(|(s, cache)| SeqRows {
+                    rows: s..s + 1,
+                    cache: Some(&mut **cache),
+                })
+                .collect();
+            if let Some(y) = forward(self, &x, rope, &mut seqs, limit, true) {
+                return y;
+            }
+        }
+        let qkv = self.project(
             rms_norm(x.clone(), self.attn_norm.val(), self.eps),
-            self.wqkv.val(),
+            &self.wqkv,
         );
         let mut outs = Vec::with_capacity(caches.len());
         for (s, (cache, &past)) in caches.iter_mut().zip(positions).enumerate() {
             let ctx = AttentionContext::new(rope, past, 1, self.num_kv_heads, self.group());
             outs.push(self.attend(qkv.clone().narrow(0, s, 1), rope, &ctx, Some(cache), limit)?);
         }
-        let h = linear(Tensor::cat(outs, 0), self.wo.val());
+        let h = self.project(Tensor::cat(outs, 0), &self.wo);
         Ok(self.mlp_residual(x + h))
+    }
+
+    /// `x · wᵀ` for one of this layer's weights.
+    fn project(&self, x: Tensor<2>, w: &Param<Tensor<2>>) -> Tensor<2> {
+        linear(x, &w.val(), &self.packed)
+    }
+
+    /// Packs the weight matrices for the flex CPU kernel now rather than on first use (no-op on
+    /// other backends).
+    pub fn prepare(&self) {
+        #[cfg(feature = "flex")]
+        for w in [&self.wqkv, &self.wo, &self.w_gate_up, &self.w_down] {
+            self.packed.get(&w.val());
+        }
     }
 
     /// Query heads per key/value head.
@@ -317,12 +418,12 @@ impl DecoderLayer {
 
     /// The MLP half, `x + mlp(norm(x))`.
     fn mlp_residual(&self, x: Tensor<2>) -> Tensor<2> {
-        let gu = linear(
+        let gu = self.project(
             rms_norm(x.clone(), self.mlp_norm.val(), self.eps),
-            self.w_gate_up.val(),
+            &self.w_gate_up,
         );
         let gate = gu.clone().narrow(1, 0, self.ffn);
         let up = gu.narrow(1, self.ffn, self.ffn);
-        x + linear(silu(gate) * up, self.w_down.val())
+        x + self.project(silu(gate) * up, &self.w_down)
     }
 }

@@ -11,6 +11,7 @@
 pub mod cache;
 pub mod chat;
 pub mod config;
+pub mod cpu;
 pub mod error;
 pub mod fetch;
 pub mod gguf;
@@ -21,8 +22,6 @@ pub mod llama;
 pub mod loader;
 pub mod quant;
 pub mod rope;
-#[cfg(feature = "flex")]
-pub mod streaming;
 pub mod testing;
 pub mod tokenizer;
 pub mod weights;

@@ -7,6 +7,7 @@ use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
 use crate::cache::{KvCache, LayerCache};
 use crate::config::LlamaConfig;
+use crate::cpu::PackedCache;
 use crate::error::{ModelError, Result};
 use crate::layer::{AttentionContext, DecoderLayer, cast_to, linear, rms_norm};
 use crate::rope::Rope;
@@ -35,6 +36,8 @@ pub struct Llama {
     final_norm: Tensor<1>,
     /// LM head `[vocab, hidden]` (the embedding itself when tied).
     lm_head: Tensor<2>,
+    /// The LM head's packed copy for the flex CPU kernel.
+    lm_head_packed: PackedCache,
     rope: Rope,
 }
 
@@ -144,19 +147,31 @@ impl Llama {
                 head_dim: d,
                 ffn: c.intermediate_size,
                 eps: c.rms_norm_eps,
+                packed: PackedCache::default(),
             });
         }
         let final_norm = vector(WeightName::FinalNorm)?;
         let rope = Rope::new(c, device);
-        Ok(Llama {
+        let model = Llama {
             config,
             device: device.clone(),
             embedding,
             layers,
             final_norm,
             lm_head,
+            lm_head_packed: PackedCache::default(),
             rope,
-        })
+        };
+        model.prepare();
+        Ok(model)
+    }
+
+    /// Packs every weight matrix for the flex CPU kernel (done once at load; a no-op on other
+    /// backends), so that the first forward pass is not slowed by it.
+    fn prepare(&self) {
+        self.layers.iter().for_each(DecoderLayer::prepare);
+        #[cfg(feature = "flex")]
+        self.lm_head_packed.get(&self.lm_head);
     }
 
     /// The model's hyper-parameters.
@@ -336,7 +351,7 @@ impl Llama {
     /// Final RMSNorm + LM head: `[t, hidden]` → logits `[t, vocab]`.
     pub fn logits(&self, hidden: Tensor<2>) -> Tensor<2> {
         let x = rms_norm(hidden, self.final_norm.clone(), self.config.rms_norm_eps);
-        linear(x, self.lm_head.clone())
+        linear(x, &self.lm_head, &self.lm_head_packed)
     }
 
     /// Runs the whole model on new tokens and returns logits for each, `[t, vocab]`.

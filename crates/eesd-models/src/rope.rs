@@ -68,6 +68,11 @@ impl Rope {
         }
     }
 
+    /// The full `(cos, sin)` tables, `[context, head_dim]` each.
+    pub(crate) fn tables(&self) -> (&Tensor<2>, &Tensor<2>) {
+        (&self.cos, &self.sin)
+    }
+
     /// Positions the tables cover (the context length).
     pub fn len(&self) -> usize {
         self.cos.dims()[0]

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use burn::module::Param;
 use burn::tensor::{Tensor, TensorData};
+use eesd_models::cpu::PackedCache;
 use eesd_models::{DecoderLayer, HeadKind, LayerHead, LayerHeadWeights, Llama, VocabSubset};
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
@@ -241,6 +242,7 @@ pub fn load_layer_head(
         attn_norm: Param::from_tensor(flat(read("layer.attn_norm")?)),
         wqkv: Param::from_tensor(read("layer.wqkv")?),
         wo: Param::from_tensor(read("layer.wo")?),
+        packed: PackedCache::default(),
         ..template.clone()
     };
     if kind == HeadKind::Layer {

@@ -12,6 +12,7 @@ use burn::optim::grad_clipping::GradientClippingConfig;
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use eesd_models::cpu::PackedCache;
 use eesd_models::layer::{AttentionContext, linear};
 use eesd_models::rope::Rope;
 use eesd_models::{LayerHead, LayerHeadWeights, Llama, VocabSubset};
@@ -263,7 +264,9 @@ impl<'m> Distiller<'m> {
         let ctx = AttentionContext::packed(&self.rope, c, &teacher.lengths)?;
         let hidden = teacher.hidden.clone().to_device(&self.train_device);
         let h = self.weights.forward(hidden, &self.rope, &ctx, None, c)?;
-        Ok(log_softmax(linear(h, self.projection.clone()), 1))
+        // Autodiff tensors: burn's matmul (the packed kernel is for inference on flex).
+        let no_packing = PackedCache::default();
+        Ok(log_softmax(linear(h, &self.projection, &no_packing), 1))
     }
 
     /// Mean −log q(greedy token) over positions whose greedy token is in the draft vocabulary.

@@ -1,0 +1,511 @@
+//! `y = x · wᵀ` for a block of f32 activation rows `x: [b, k]` against a weight matrix
+//! `w: [out, k]` held as a [`PackedMatrix`] of f32, f16 or bf16; f32 results `y: [b, out]`.
+//!
+//! Why this shape: decoding streams every weight once per forward pass, so the kernel is built
+//! around the weights. A register tile covers `M` activation rows × 16 or 32 outputs (one or two
+//! panels): per step of the inner dimension it loads the panel's 16 weights as vectors once and
+//! broadcasts each row's activation value against them, so `M` rows share every weight load.
+//! One row is then bound by memory bandwidth, and a block of many by the FMA units: the
+//! roofline. (A dot-product form, vectorised along `k` on the `[out, k]` rows, needs a vector
+//! load of both operands per multiply-add and stalls on the L2 cache at ~65% of the FMA peak.)
+//!
+//! Batch invariance: every output element is one chain of fused multiply-adds over `i = 0..k`
+//! in order, starting from zero, in a single lane. Nothing in that chain depends on the block
+//! size, the tile shape, the thread, the task split or even the instruction set, so a block of
+//! rows gives bit-identical results to its rows one at a time (verification agrees exactly with
+//! plain decoding), on AVX2, AVX-512 and the portable path alike.
+
+use super::isa::Isa;
+use super::lanes::{Lanes, Soft, WeightElement};
+
+use super::packed::{PANEL, PackedMatrix};
+use super::pool::Pool;
+
+/// Activation rows per pass over the weights: a pass keeps its rows (`rows · k · 4` bytes) in
+/// the L2 cache while the weights stream through once. Larger blocks (prefill) take several
+/// passes.
+const X_BYTES_PER_PASS: usize = 256 * 1024;
+
+/// At most this many activation rows per pass (bounds the partial-sum scratch on the stack).
+const MAX_PASS_ROWS: usize = 96;
+
+/// Steps of the inner dimension per chunk: a chunk of one or two panels (8 or 16 KiB in f32)
+/// stays in L1 while every row group of the pass uses it, and the next chunk is prefetched
+/// meanwhile, spread over all row groups so that memory stays busy while the FMAs run.
+const CHUNK: usize = 128;
+
+/// Cache line size.
+const LINE: usize = 64;
+
+/// Inconsistent operand sizes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ShapeError {
+    /// A row-major weight buffer that is not `out · k` long.
+    #[error("weights: {len} values for a [{out}, {k}] matrix")]
+    Weights {
+        /// Values given.
+        len: usize,
+        /// Output rows.
+        out: usize,
+        /// Inner dimension.
+        k: usize,
+    },
+    /// Activations or results that do not match the matrix.
+    #[error(
+        "matmul: x has {x} values and y {y} for a [{out}, {k}] matrix (need x = b·{k}, y = b·{out})"
+    )]
+    Operands {
+        /// Length of `x`.
+        x: usize,
+        /// Length of `y`.
+        y: usize,
+        /// Output rows of the matrix.
+        out: usize,
+        /// Inner dimension.
+        k: usize,
+    },
+}
+
+impl<E: WeightElement> PackedMatrix<E> {
+    /// `y[j·out + o] = Σ_i x[j·k + i] · w[o, i]` on the process-wide [`Pool`] with the detected
+    /// [`Isa`].
+    pub fn matmul(&self, x: &[f32], y: &mut [f32]) -> Result<(), ShapeError> {
+        self.matmul_with(Isa::detect(), Pool::global(), x, y)
+    }
+
+    /// [`PackedMatrix::matmul`] with an explicit instruction set and pool. An `isa` this CPU
+    /// lacks falls back to the best one it has (the results are the same).
+    pub fn matmul_with(
+        &self,
+        isa: Isa,
+        pool: &Pool,
+        x: &[f32],
+        y: &mut [f32],
+    ) -> Result<(), ShapeError> {
+        let (out, k) = (self.out(), self.k());
+        let b = x.len() / k;
+        if !x.len().is_multiple_of(k) || b.checked_mul(out) != Some(y.len()) {
+            return Err(ShapeError::Operands {
+                x: x.len(),
+                y: y.len(),
+                out,
+                k,
+            });
+        }
+        if b == 0 {
+            return Ok(());
+        }
+        let isa = isa.supported();
+        let problem = Problem {
+            w: self.data().as_ptr(),
+            x: x.as_ptr(),
+            y: y.as_mut_ptr(),
+            k,
+            b,
+            out,
+        };
+        let panels = out.div_ceil(PANEL);
+        // Two panels per scheduling unit (an AVX-512 tile); a few units per thread even out a
+        // noisy machine while each stays large.
+        let units = panels.div_ceil(2);
+        let tasks = units.min(pool.threads() * 4);
+        let per_task = units.div_ceil(tasks) * 2;
+        let tasks = panels.div_ceil(per_task);
+        pool.run(tasks, &|t| {
+            let (p0, p1) = (t * per_task, ((t + 1) * per_task).min(panels));
+            // SAFETY: the sizes were checked above; tasks write disjoint output columns.
+            unsafe { panels_for(isa, &problem, p0, p1) }
+        });
+        Ok(())
+    }
+}
+
+/// The operands of one product, shared by its tasks.
+struct Problem<E> {
+    w: *const E,
+    x: *const f32,
+    y: *mut f32,
+    k: usize,
+    b: usize,
+    out: usize,
+}
+
+// SAFETY: tasks read `w` and `x` and write disjoint parts of `y`.
+unsafe impl<E> Sync for Problem<E> {}
+
+/// Panels `p0..p1` against every activation row with `isa`'s kernel.
+///
+/// # Safety
+/// `p` describes valid buffers and `isa` is supported by this CPU.
+unsafe fn panels_for<E: WeightElement>(isa: Isa, p: &Problem<E>, p0: usize, p1: usize) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::panels_avx512(p, p0, p1) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::panels_avx2(p, p0, p1) },
+        _ => unsafe { panels::<Soft<8>, E, 6, 1>(p, p0, p1) },
+    }
+}
+
+/// Panels `p0..p1`, `P` at a time, against activation rows in groups of at most `M`.
+///
+/// # Safety
+/// As [`panels_for`], with `V`'s instructions supported.
+#[inline(always)]
+unsafe fn panels<V: Lanes, E: WeightElement, const M: usize, const P: usize>(
+    p: &Problem<E>,
+    p0: usize,
+    p1: usize,
+) {
+    let pass = (X_BYTES_PER_PASS / (4 * p.k)).clamp(M, MAX_PASS_ROWS);
+    let mut j0 = 0;
+    while j0 < p.b {
+        let j1 = (j0 + pass).min(p.b);
+        let mut q = p0;
+        unsafe {
+            while q + P <= p1 {
+                panel_rows::<V, E, M, P>(p, q, j0, j1, p1);
+                q += P;
+            }
+            while q < p1 {
+                panel_rows::<V, E, M, 1>(p, q, j0, j1, p1);
+                q += 1;
+            }
+        }
+        j0 = j1;
+    }
+}
+
+/// `P` panels from `q` against activation rows `j0..j1`: the inner dimension in chunks of
+/// [`CHUNK`], each chunk against every row group, partial sums kept exactly (f32) in a scratch
+/// tile between chunks. `end` is the first panel not to prefetch.
+///
+/// Rows are split into groups as evenly as possible (8 rows: 4 + 4, not 6 + 2): a group of
+/// few rows has too few independent FMA chains to hide the FMA latency.
+///
+/// # Safety
+/// As [`panels`], with `q + P ≤ end` panels and `j1 - j0 ≤ MAX_PASS_ROWS`.
+#[inline(always)]
+unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>(
+    p: &Problem<E>,
+    q: usize,
+    j0: usize,
+    j1: usize,
+    end: usize,
+) {
+    let k = p.k;
+    let rows = j1 - j0;
+    let groups = rows.div_ceil(M);
+    let (base, extra) = (rows / groups, rows % groups);
+    let mut scratch = [[0f32; 2 * PANEL]; MAX_PASS_ROWS];
+    // The bytes after this tile's chunk: the rest of the panel(s), then the next panels.
+    let chunk_lines = (CHUNK * PANEL * size_of::<E>()).div_ceil(LINE);
+    let next_panels = end.min(q + 2 * P) - q;
+    unsafe {
+        let w = p.w.add(q * k * PANEL);
+        let mut i0 = 0;
+        while i0 < k {
+            let i1 = (i0 + CHUNK).min(k);
+            // Prefetch the next chunk's lines (of each of the P panels, or of the next panels
+            // after the last chunk), spread evenly over the row groups.
+            // (Pointers past a panel are only formed, with wrapping arithmetic, for P = 2.)
+            let next = if i1 < k {
+                [w.add(i1 * PANEL), w.wrapping_add(k * PANEL + i1 * PANEL)]
+            } else if next_panels > P {
+                [w.add(P * k * PANEL), w.wrapping_add((P + 1) * k * PANEL)]
+            } else {
+                [std::ptr::null(); 2]
+            };
+            let mut j = j0;
+            for g in 0..groups {
+                let m = base + usize::from(g < extra);
+                let pf = Prefetch {
+                    next,
+                    first: g * chunk_lines / groups,
+                    lines: (g + 1) * chunk_lines / groups - g * chunk_lines / groups,
+                    steps: i1 - i0,
+                };
+                let acc = scratch.as_mut_ptr().add(j - j0).cast::<f32>();
+                macro_rules! tile_of {
+                    ($($r:literal)*) => {
+                        match m {
+                            $($r if $r <= M => tile::<V, E, $r, P>(p, w, j, i0, i1, acc, &pf),)*
+                            _ => {}
+                        }
+                    };
+                }
+                tile_of!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16);
+                j += m;
+            }
+            i0 = i1;
+        }
+        // Write the finished sums.
+        let col0 = q * PANEL;
+        let valid = (p.out - col0).min(P * PANEL);
+        for (r, row) in scratch.iter().enumerate().take(rows) {
+            std::ptr::copy_nonoverlapping(row.as_ptr(), p.y.add((j0 + r) * p.out + col0), valid);
+        }
+    }
+}
+
+/// The prefetches one row group issues during one chunk: `lines` cache lines from line
+/// `first` of each of the (up to two) areas in `next`, spread over `steps` steps.
+struct Prefetch<E> {
+    next: [*const E; 2],
+    first: usize,
+    lines: usize,
+    steps: usize,
+}
+
+/// Continues the `M × (P·16)` sums of activation rows `j..j+M` with panels at `w` over steps
+/// `i0..i1` (from zero at `i0 = 0`), in `acc` (rows of `2 · PANEL` floats).
+///
+/// # Safety
+/// As [`panels`], with `j + M ≤ b`, `i1 ≤ k`, `acc` holding `M` rows, and `P` panels at `w`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile<V: Lanes, E: WeightElement, const M: usize, const P: usize>(
+    p: &Problem<E>,
+    w: *const E,
+    j: usize,
+    i0: usize,
+    i1: usize,
+    acc_rows: *mut f32,
+    pf: &Prefetch<E>,
+) {
+    let k = p.k;
+    // Vectors per panel row; the tile holds P panels × `per` vectors per activation row.
+    let per = PANEL / V::WIDTH;
+    let vecs = P * per;
+    debug_assert!(vecs <= 4);
+    unsafe {
+        let x = p.x.add(j * k);
+        let mut acc = [[V::zero(); 4]; M];
+        if i0 > 0 {
+            for (m, acc_m) in acc.iter_mut().enumerate() {
+                for (c, a) in acc_m.iter_mut().enumerate().take(vecs) {
+                    *a = V::load(acc_rows.add(m * 2 * PANEL + c * V::WIDTH));
+                }
+            }
+        }
+        // Prefetch schedule: one line every `every` steps.
+        let every = if pf.lines == 0 || pf.next[0].is_null() {
+            usize::MAX
+        } else {
+            (pf.steps / pf.lines).max(1)
+        };
+        let (mut countdown, mut line) = (every, pf.first);
+        for i in i0..i1 {
+            countdown -= 1;
+            if countdown == 0 {
+                countdown = every;
+                if line < pf.first + pf.lines {
+                    for area in pf.next.iter().take(P) {
+                        V::prefetch(area.cast::<u8>().wrapping_add(line * LINE));
+                    }
+                    line += 1;
+                }
+            }
+            let mut wv = [V::zero(); 4];
+            for (c, v) in wv.iter_mut().enumerate().take(vecs) {
+                let (pp, lane0) = (c / per, c % per * V::WIDTH);
+                *v = V::load_weights(w.add(pp * k * PANEL + i * PANEL + lane0));
+            }
+            for (m, acc_m) in acc.iter_mut().enumerate() {
+                let xv = V::splat(x.add(m * k + i));
+                for (a, &wc) in acc_m.iter_mut().zip(&wv).take(vecs) {
+                    *a = V::mul_add(xv, wc, *a);
+                }
+            }
+        }
+        for (m, acc_m) in acc.iter().enumerate() {
+            for (c, a) in acc_m.iter().enumerate().take(vecs) {
+                a.store(acc_rows.add(m * 2 * PANEL + c * V::WIDTH));
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{Problem, WeightElement, panels};
+    use std::arch::x86_64::{__m256, __m512};
+
+    /// AVX2: 6 rows × one panel (2 registers) = 12 accumulators, + 2 weight registers and one
+    /// broadcast: 15 of 16 registers.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn panels_avx2<E: WeightElement>(p: &Problem<E>, p0: usize, p1: usize) {
+        unsafe { panels::<__m256, E, 6, 1>(p, p0, p1) }
+    }
+
+    /// AVX-512: 12 rows × two panels (one register each) = 24 accumulators of 32 registers.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn panels_avx512<E: WeightElement>(p: &Problem<E>, p0: usize, p1: usize) {
+        unsafe { panels::<__m512, E, 12, 2>(p, p0, p1) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let h = (i as u32 ^ seed)
+                    .wrapping_mul(2_654_435_761)
+                    .rotate_left(13);
+                (h % 20001) as f32 / 10000.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn naive<E: WeightElement>(x: &[f32], w: &[E], k: usize) -> Vec<f64> {
+        let (b, out) = (x.len() / k, w.len() / k);
+        let mut y = vec![0f64; b * out];
+        for j in 0..b {
+            for o in 0..out {
+                y[j * out + o] = (0..k)
+                    .map(|i| w[o * k + i].to_f32() as f64 * x[j * k + i] as f64)
+                    .sum();
+            }
+        }
+        y
+    }
+
+    /// The exact sequence the kernels promise: one FMA chain per output, in order.
+    fn chain<E: WeightElement>(x: &[f32], w: &[E], k: usize) -> Vec<f32> {
+        let (b, out) = (x.len() / k, w.len() / k);
+        let mut y = vec![0f32; b * out];
+        for j in 0..b {
+            for o in 0..out {
+                y[j * out + o] = (0..k).fold(0f32, |acc, i| {
+                    x[j * k + i].mul_add(w[o * k + i].to_f32(), acc)
+                });
+            }
+        }
+        y
+    }
+
+    /// Every ISA this CPU has (the portable path always).
+    fn isas() -> Vec<Isa> {
+        [Isa::Portable, Isa::Avx2, Isa::Avx512]
+            .into_iter()
+            .filter(|isa| isa.supported() == *isa)
+            .collect()
+    }
+
+    fn product<E: WeightElement>(
+        isa: Isa,
+        pool: &Pool,
+        x: &[f32],
+        w: &PackedMatrix<E>,
+    ) -> Vec<f32> {
+        let mut y = vec![f32::NAN; x.len() / w.k() * w.out()];
+        w.matmul_with(isa, pool, x, &mut y).unwrap();
+        y
+    }
+
+    /// Each ISA computes exactly the FMA chain, which is close to the exact product.
+    fn exact_chain_close_to_naive<E: WeightElement>() {
+        let pool = Pool::new(3);
+        for k in [1, 7, 16, 33, 100] {
+            for out in [1, 5, 16, 17, 37, 64] {
+                let w: Vec<E> = values(out * k, 7).into_iter().map(E::from_f32).collect();
+                let packed = PackedMatrix::pack(&w, out, k).unwrap();
+                assert_eq!(packed.unpack(), w);
+                for b in [1, 2, 3, 5, 6, 7, 12, 13, 25] {
+                    let x = values(b * k, 11 + b as u32);
+                    let want = chain(&x, &w, k);
+                    for (y, exact) in want.iter().zip(naive(&x, &w, k)) {
+                        let tol = 1e-5 * k as f64 * (1.0 + exact.abs());
+                        assert!((*y as f64 - exact).abs() < tol, "k={k}: {y} vs {exact}");
+                    }
+                    for isa in isas() {
+                        let got = product(isa, &pool, &x, &packed);
+                        let same = got
+                            .iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{isa:?} k={k} out={out} b={b}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn f32_is_the_exact_chain() {
+        exact_chain_close_to_naive::<f32>();
+    }
+
+    #[test]
+    fn f16_is_the_exact_chain() {
+        exact_chain_close_to_naive::<f16>();
+    }
+
+    #[test]
+    fn bf16_is_the_exact_chain() {
+        exact_chain_close_to_naive::<bf16>();
+    }
+
+    /// The heart of lossless verification: a block's rows equal the rows computed alone, bit
+    /// for bit, for every block size (including several passes over the weights) and thread
+    /// count.
+    fn rows_are_batch_invariant<E: WeightElement>() {
+        let k = 1000; // passes of 65 rows: blocks of 150 take several
+        let out = 75;
+        let w: Vec<E> = values(out * k, 3).into_iter().map(E::from_f32).collect();
+        let w = PackedMatrix::pack(&w, out, k).unwrap();
+        let one = Pool::new(1);
+        let three = Pool::new(3);
+        for isa in isas() {
+            for b in [2, 3, 8, 16, 31, 64, 150] {
+                let x = values(b * k, 5 + b as u32);
+                let block = product(isa, &three, &x, &w);
+                for j in 0..b {
+                    let alone = product(isa, &one, &x[j * k..(j + 1) * k], &w);
+                    let same = (0..out).all(|o| block[j * out + o].to_bits() == alone[o].to_bits());
+                    assert!(same, "{isa:?} b={b} row {j}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn f32_rows_are_batch_invariant() {
+        rows_are_batch_invariant::<f32>();
+    }
+
+    #[test]
+    fn f16_rows_are_batch_invariant() {
+        rows_are_batch_invariant::<f16>();
+    }
+
+    #[test]
+    fn bf16_rows_are_batch_invariant() {
+        rows_are_batch_invariant::<bf16>();
+    }
+
+    #[test]
+    fn rejects_inconsistent_shapes() {
+        let pool = Pool::new(1);
+        assert!(PackedMatrix::pack(&[0f32; 12], 3, 5).is_err());
+        assert!(PackedMatrix::pack(&[0f32; 0], 0, 0).is_err());
+        let w = PackedMatrix::pack(&[0f32; 12], 3, 4).unwrap();
+        let mut y = vec![0f32; 6];
+        assert!(
+            w.matmul_with(Isa::Portable, &pool, &[0f32; 8], &mut y)
+                .is_ok()
+        );
+        assert!(
+            w.matmul_with(Isa::Portable, &pool, &[0f32; 7], &mut y)
+                .is_err()
+        );
+        assert!(
+            w.matmul_with(Isa::Portable, &pool, &[0f32; 12], &mut y)
+                .is_err()
+        );
+    }
+}

@@ -1,0 +1,31 @@
+//! CPU kernels for the flex default: batch-invariant block products at the memory/FMA roofline,
+//! one persistent thread pool, run-time SIMD dispatch, and the probes that measure the roofline.
+//!
+//! The kernels are pure Rust on slices; [`PackedCache`] and [`packed_linear`] connect them to
+//! burn-flex tensors (used by [`crate::layer::linear`]).
+
+pub mod attention;
+#[cfg(feature = "flex")]
+pub(crate) mod decoder;
+#[cfg(feature = "flex")]
+mod flex;
+pub mod isa;
+pub(crate) mod lanes;
+pub mod matmul;
+pub mod packed;
+pub mod pool;
+pub mod rows;
+
+#[cfg(feature = "flex")]
+pub use flex::{PackedCache, packed_linear};
+pub use isa::Isa;
+pub use lanes::WeightElement;
+pub use matmul::ShapeError;
+pub use packed::{PANEL, PackedMatrix, PackedWeight};
+pub use pool::Pool;
+
+/// Without the flex backend there is nothing to pack: an empty stand-in keeps module layouts
+/// the same in every build.
+#[cfg(not(feature = "flex"))]
+#[derive(Debug, Clone, Default)]
+pub struct PackedCache;

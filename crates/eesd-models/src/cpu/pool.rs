@@ -1,0 +1,269 @@
+//! One persistent pool of worker threads for the CPU kernels.
+//!
+//! Why not rayon: a forward pass issues ~120 matrix products of 0.1–2 ms each, back to back.
+//! Waking a parked thread for each costs tens of microseconds (a futex round trip per call, seen
+//! as `sched_yield`/`futex` time in profiles). Here the workers spin for a short while after each
+//! job, so the next product of the same forward pass starts at once, and park only when the
+//! model is idle. The calling thread always takes part in the work.
+//!
+//! A job is `n` independent tasks `f(0) .. f(n-1)`, handed out in order to whichever thread asks
+//! first. Kernels make each output element's arithmetic independent of which task computes it,
+//! so the split never changes a result.
+
+use std::cell::UnsafeCell;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// How long an idle worker spins before it parks.
+const SPIN: Duration = Duration::from_micros(300);
+
+/// A fixed set of worker threads that run jobs together with the calling thread.
+pub struct Pool {
+    shared: Arc<Shared>,
+    /// Held while a job runs: a second caller (another thread, or a task calling back into the
+    /// pool) runs its job on its own thread instead of waiting.
+    submit: Mutex<()>,
+    threads: usize,
+}
+
+/// The job being run, published to the workers by bumping `epoch`.
+struct Shared {
+    epoch: AtomicUsize,
+    job: UnsafeCell<Job>,
+    /// Workers that have not yet finished with the current job.
+    active: AtomicUsize,
+    panicked: AtomicBool,
+    sleeping: AtomicUsize,
+    lock: Mutex<()>,
+    wake: Condvar,
+}
+
+// SAFETY: `job` is written only by the submitter while holding `submit` and while no worker
+// reads it (every worker has finished the previous job: `active == 0`); workers read it only
+// between seeing a new epoch and decrementing `active`.
+unsafe impl Sync for Shared {}
+
+#[derive(Clone, Copy)]
+struct Job {
+    /// The task function with its lifetime erased; valid until `active` drops to 0.
+    task: *const (dyn Fn(usize) + Sync),
+    tasks: usize,
+    next: *const AtomicUsize,
+}
+
+// SAFETY: the pointers are only dereferenced while the submitting call keeps them alive.
+unsafe impl Send for Job {}
+
+impl Pool {
+    /// The process-wide pool: `EESD_THREADS` threads if set, else one per available core.
+    pub fn global() -> &'static Pool {
+        static POOL: OnceLock<Pool> = OnceLock::new();
+        POOL.get_or_init(|| {
+            let threads = std::env::var("EESD_THREADS")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .filter(|&n| n > 0)
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+            Pool::new(threads)
+        })
+    }
+
+    /// A pool of `threads` threads in all (the caller and `threads - 1` workers).
+    pub fn new(threads: usize) -> Pool {
+        let threads = threads.max(1);
+        let shared = Arc::new(Shared {
+            epoch: AtomicUsize::new(0),
+            job: UnsafeCell::new(Job {
+                task: &noop as &(dyn Fn(usize) + Sync),
+                tasks: 0,
+                next: std::ptr::null(),
+            }),
+            active: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
+            sleeping: AtomicUsize::new(0),
+            lock: Mutex::new(()),
+            wake: Condvar::new(),
+        });
+        let mut spawned = 1;
+        for i in 1..threads {
+            let shared = shared.clone();
+            let ok = std::thread::Builder::new()
+                .name(format!("eesd-cpu-{i}"))
+                .spawn(move || worker(&shared))
+                .is_ok();
+            spawned += usize::from(ok);
+        }
+        Pool {
+            shared,
+            submit: Mutex::new(()),
+            threads: spawned,
+        }
+    }
+
+    /// Threads that take part in a job (workers plus the caller).
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Runs `task(0) .. task(tasks - 1)`, spread over the pool, and returns when all are done.
+    pub fn run(&self, tasks: usize, task: &(dyn Fn(usize) + Sync)) {
+        if tasks == 0 {
+            return;
+        }
+        let guard = match self.submit.try_lock() {
+            Ok(guard) if self.threads > 1 && tasks > 1 => guard,
+            _ => {
+                (0..tasks).for_each(task);
+                return;
+            }
+        };
+        let s = &*self.shared;
+        let next = AtomicUsize::new(0);
+        // SAFETY: the previous job is finished (`active == 0`, checked at the end of the last
+        // run), so no worker reads `job` now; the lifetime erasure is sound because this call
+        // does not return before every worker is done with the pointers.
+        unsafe {
+            let task: *const (dyn Fn(usize) + Sync) = std::mem::transmute(task);
+            *s.job.get() = Job {
+                task,
+                tasks,
+                next: &next,
+            };
+        }
+        s.active.store(self.threads - 1, Ordering::SeqCst);
+        s.epoch.fetch_add(1, Ordering::SeqCst);
+        if s.sleeping.load(Ordering::SeqCst) > 0 {
+            let _lock = s.lock.lock().unwrap_or_else(|e| e.into_inner());
+            s.wake.notify_all();
+        }
+        // The workers hold pointers into this frame: wait for them even if a task panics here.
+        let mine = catch_unwind(AssertUnwindSafe(|| {
+            loop {
+                let t = next.fetch_add(1, Ordering::Relaxed);
+                if t >= tasks {
+                    break;
+                }
+                task(t);
+            }
+        }));
+        while s.active.load(Ordering::Acquire) != 0 {
+            std::hint::spin_loop();
+        }
+        drop(guard);
+        if let Err(payload) = mine {
+            std::panic::resume_unwind(payload);
+        }
+        if s.panicked.swap(false, Ordering::SeqCst) {
+            panic!("a CPU kernel task panicked on a worker thread");
+        }
+    }
+}
+
+fn noop(_: usize) {}
+
+/// A worker's loop; it starts before any job, at epoch 0 (reading the epoch here instead would
+/// miss a job published before the thread got going).
+fn worker(s: &Shared) {
+    let mut seen = 0;
+    loop {
+        // Spin for new work, then park.
+        let start = Instant::now();
+        let mut spins = 0u32;
+        while s.epoch.load(Ordering::Acquire) == seen {
+            std::hint::spin_loop();
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(256) && start.elapsed() > SPIN {
+                let mut lock = s.lock.lock().unwrap_or_else(|e| e.into_inner());
+                s.sleeping.fetch_add(1, Ordering::SeqCst);
+                while s.epoch.load(Ordering::SeqCst) == seen {
+                    lock = s.wake.wait(lock).unwrap_or_else(|e| e.into_inner());
+                }
+                s.sleeping.fetch_sub(1, Ordering::SeqCst);
+                break;
+            }
+        }
+        seen = s.epoch.load(Ordering::Acquire);
+        // SAFETY: a new epoch means a job was published and stays valid until this worker
+        // decrements `active`.
+        let job = unsafe { *s.job.get() };
+        let result = catch_unwind(AssertUnwindSafe(|| unsafe {
+            let next = &*job.next;
+            loop {
+                let t = next.fetch_add(1, Ordering::Relaxed);
+                if t >= job.tasks {
+                    break;
+                }
+                (*job.task)(t);
+            }
+        }));
+        if result.is_err() {
+            s.panicked.store(true, Ordering::SeqCst);
+        }
+        s.active.fetch_sub(1, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_every_task_once() {
+        let pool = Pool::new(3);
+        for tasks in [0, 1, 2, 7, 100] {
+            let hits: Vec<AtomicUsize> = (0..tasks).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(tasks, &|t| {
+                hits[t].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+        }
+    }
+
+    #[test]
+    fn many_small_jobs_and_concurrent_callers() {
+        let pool = Arc::new(Pool::new(2));
+        let handles: Vec<_> = (0..3)
+            .map(|_| {
+                let pool = pool.clone();
+                std::thread::spawn(move || {
+                    for n in 0..2000usize {
+                        let sum = AtomicUsize::new(0);
+                        pool.run(n % 5 + 1, &|t| {
+                            sum.fetch_add(t + 1, Ordering::Relaxed);
+                        });
+                        let k = n % 5 + 1;
+                        assert_eq!(sum.load(Ordering::Relaxed), k * (k + 1) / 2);
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn nested_jobs_run_inline() {
+        let pool = Pool::new(2);
+        let count = AtomicUsize::new(0);
+        pool.run(4, &|_| {
+            pool.run(3, &|_| {
+                count.fetch_add(1, Ordering::Relaxed);
+            });
+        });
+        assert_eq!(count.load(Ordering::Relaxed), 12);
+    }
+
+    #[test]
+    fn wakes_after_parking() {
+        let pool = Pool::new(2);
+        std::thread::sleep(SPIN * 4);
+        let count = AtomicUsize::new(0);
+        pool.run(8, &|_| {
+            count.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(count.load(Ordering::Relaxed), 8);
+    }
+}
