@@ -28,7 +28,7 @@ pub(crate) trait Lanes: Copy {
     unsafe fn prefetch(_p: *const u8) {}
 }
 
-/// A weight element type the kernels read: `f32`, [`f16`] or [`bf16`].
+/// A weight element type the kernels read: `f32`, [`half::f16`] or [`half::bf16`].
 pub trait WeightElement:
     Copy + Default + PartialEq + std::fmt::Debug + Send + Sync + 'static + sealed::Sealed
 {
