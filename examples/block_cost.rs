@@ -1,15 +1,20 @@
-//! Measures the cost of one forward pass of the model over blocks of 1..=16 new tokens, after a
-//! prompt: the asymmetry speculative decoding relies on (verifying k tokens ≈ decoding one).
+//! The cost of one forward pass over a block of b new tokens, against this machine's roofline:
+//! the asymmetry speculative decoding relies on (verifying b tokens ≈ decoding one).
 //!
 //! ```text
-//! cargo run --release --example block_cost -- [--device flex] [--dtype f32] [--json]
+//! cargo run --release --example block_cost -- [--dtypes f32,f16,bf16] [--blocks 1,2,4,8,16,32,64] [--json]
 //! ```
+//! In the same run it measures the machine's read bandwidth and FMA peak (on the kernels' threads
+//! and instruction set) and reports, per weight dtype and block size: the time of a full forward
+//! pass (best of `--reps`, after a chat prompt), its ratio to one token, the roofline time
+//! `max(bytes / bandwidth, flops / peak)` and efficiency = roofline / measured.
 
 use std::time::Instant;
 
 use anyhow::Result;
 use clap::Parser;
 use eesd::core::Backend;
+use eesd::models::cpu::{Roofline, roofline};
 use eesd::models::{LoadOptions, LoadedModel, WeightDType, fetch};
 
 #[derive(Parser, Debug)]
@@ -17,11 +22,18 @@ struct Args {
     /// Backend.
     #[arg(long, default_value = "flex")]
     device: Backend,
-    /// Weight dtype: f32 or f16.
-    #[arg(long, default_value = "f32")]
-    dtype: String,
-    /// Repetitions per block size.
-    #[arg(long, default_value_t = 20)]
+    /// Weight dtypes.
+    #[arg(long, value_delimiter = ',', default_value = "f32,f16,bf16")]
+    dtypes: Vec<WeightDType>,
+    /// Block sizes (rows per forward pass).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
+    blocks: Vec<usize>,
+    /// Cached positions before the block: the chat prompt, repeated up to this length (0: the
+    /// prompt once).
+    #[arg(long, default_value_t = 0)]
+    context: usize,
+    /// Repetitions per block size (the best is kept).
+    #[arg(long, default_value_t = 10)]
     reps: usize,
     /// Print JSON.
     #[arg(long)]
@@ -30,50 +42,87 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let dtype = if args.dtype == "f16" {
-        WeightDType::F16
-    } else {
-        WeightDType::F32
-    };
-    let lm = LoadedModel::load(
-        fetch::resolve_model(None)?,
-        &args.device.device()?,
-        &LoadOptions {
-            dtype,
-            context_length: Some(1024),
-        },
-    )?;
-    let m = &lm.model;
-    let prompt = lm.chat_prompt("Write a short poem about the sea.")?;
+    let device = args.device.device()?;
+    // The CPU roofline applies to the CPU backends only.
+    let machine = matches!(args.device, Backend::Flex | Backend::Tch).then(Roofline::measure);
+    if let (Some(m), false) = (&machine, args.json) {
+        println!(
+            "{} ({} threads, {}): read {:.1} GB/s, FMA peak {:.0} GFLOP/s",
+            roofline::cpu_name(),
+            m.threads,
+            m.isa.name(),
+            m.bandwidth_gb_s,
+            m.fma_gflop_s
+        );
+    }
+    let path = fetch::resolve_model(None)?;
     let mut rows = Vec::new();
-    let mut base = None;
-    for block in [1usize, 2, 3, 4, 6, 8, 12, 16] {
+    for &dtype in &args.dtypes {
+        let options = LoadOptions {
+            dtype,
+            context_length: Some((args.context + 128).max(1024)),
+        };
+        let lm = LoadedModel::load(&path, &device, &options)?;
+        let m = &lm.model;
+        let prompt = lm.chat_prompt("Write a short poem about the sea.")?;
+        let prompt: Vec<u32> = prompt
+            .iter()
+            .copied()
+            .cycle()
+            .take(args.context.max(prompt.len()))
+            .collect();
         let mut cache = m.new_cache();
         m.forward(&prompt, &mut cache)?;
-        let p = prompt.len();
-        let tokens: Vec<u32> = (0..block as u32).map(|i| 100 + i).collect();
-        let mut best = f64::INFINITY;
-        for _ in 0..args.reps {
-            cache.truncate(p);
-            let t = Instant::now();
-            let logits = m.forward(&tokens, &mut cache)?;
-            let _ = logits.into_data();
-            best = best.min(t.elapsed().as_secs_f64());
-        }
-        let b = *base.get_or_insert(best);
-        if !args.json {
-            println!(
-                "block {block:>2}: {:7.2} ms ({:.2}x one token)",
+        let past = prompt.len();
+        let mut one = None;
+        for &block in &args.blocks {
+            let tokens: Vec<u32> = (0..block as u32).map(|i| 100 + i).collect();
+            let mut best = f64::INFINITY;
+            for _ in 0..args.reps {
+                cache.truncate(past);
+                let start = Instant::now();
+                let logits = m.forward(&tokens, &mut cache)?;
+                let _ = logits.into_data();
+                best = best.min(start.elapsed().as_secs_f64());
+            }
+            let base = *one.get_or_insert(best);
+            let cost = m.forward_cost(block, past);
+            let mut row = serde_json::json!({
+                "dtype": dtype.name(), "block": block, "past": past, "ms": best * 1e3,
+                "ratio": best / base,
+                "weight_mb": cost.weight_bytes / 1e6, "gflop": cost.flops / 1e9,
+            });
+            let mut line = format!(
+                "{:>4} block {block:>2}: {:7.2} ms ({:.2}x one token)",
+                dtype.name(),
                 best * 1e3,
-                best / b
+                best / base
             );
+            if let Some(machine) = &machine {
+                let limit = machine.seconds(cost.bytes(), cost.flops);
+                let bound = machine.bound(cost.bytes(), cost.flops);
+                row["roofline_ms"] = (limit * 1e3).into();
+                row["efficiency"] = (limit / best).into();
+                row["bound"] = bound.into();
+                line += &format!(
+                    "  roofline {:6.2} ms ({bound}), efficiency {:.2}",
+                    limit * 1e3,
+                    limit / best
+                );
+            }
+            if !args.json {
+                println!("{line}");
+            }
+            rows.push(row);
         }
-        rows.push(serde_json::json!({ "block": block, "ms": best * 1e3, "ratio": best / b }));
     }
     if args.json {
         println!(
             "{}",
-            serde_json::json!({ "device": args.device.name(), "dtype": args.dtype, "blocks": rows })
+            serde_json::json!({
+                "device": args.device.name(), "cpu": roofline::cpu_name(),
+                "machine": machine, "blocks": rows,
+            })
         );
     }
     Ok(())

@@ -29,7 +29,7 @@ struct Args {
     #[arg(long, default_value = "flex")]
     device: Backend,
     /// Weight precision on the device: f32, f16 or bf16.
-    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    #[arg(long, default_value = "f32")]
     dtype: WeightDType,
     /// ar, eesd, or compare (AR then EESD on the same prompt, with the speedup).
     #[arg(long, default_value = "compare")]
@@ -75,15 +75,6 @@ struct Args {
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     json: bool,
-}
-
-fn parse_dtype(s: &str) -> Result<WeightDType, String> {
-    match s {
-        "f32" => Ok(WeightDType::F32),
-        "f16" => Ok(WeightDType::F16),
-        "bf16" => Ok(WeightDType::Bf16),
-        _ => Err(format!("unknown dtype `{s}` (expected f32, f16 or bf16)")),
-    }
 }
 
 fn summary(out: &GenerationOutput, text: &str, device: Backend) -> serde_json::Value {

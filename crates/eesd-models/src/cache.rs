@@ -6,11 +6,12 @@
 //! and the last M layers (advanced a block at a time while verifying) can run separately.
 //!
 //! Keys and values live either in burn tensors (any backend) or, for the fused CPU layer on
-//! flex, in plain host rows ([`HostKv`]); a cache converts itself when the other kind of
+//! flex, in a host [`KvStore`]; a cache converts itself when the other kind of
 //! forward pass uses it, so the two never disagree.
 
 use burn::tensor::{Device, Tensor, TensorData};
 
+use crate::cpu::attention::KvStore;
 use crate::error::{ModelError, Result};
 
 /// Initial capacity (positions) of a layer cache; doubled on demand up to the context length.
@@ -28,19 +29,7 @@ enum Store {
     Empty,
     /// `[kv_heads, capacity, head_dim]` buffers.
     Tensors(Box<(Tensor<3>, Tensor<3>)>),
-    Host(HostKv),
-}
-
-/// Keys and values as host rows `[position][kv_head · head_dim]` (rows past the cache's length
-/// are stale and overwritten by the next append).
-#[derive(Debug, Clone, Default)]
-pub struct HostKv {
-    /// Keys.
-    pub k: Vec<f32>,
-    /// Values.
-    pub v: Vec<f32>,
-    /// Floats per position (`kv_heads · head_dim`).
-    pub width: usize,
+    Host(KvStore),
 }
 
 impl Default for LayerCache {
@@ -89,7 +78,7 @@ impl LayerCache {
         let store = std::mem::replace(&mut self.store, Store::Empty);
         let (mut kb, mut vb) = match store {
             Store::Tensors(kv) => *kv,
-            Store::Host(host) => host.to_tensors(self.len, heads, dim, &device),
+            Store::Host(host) => to_tensors(&host, self.len, &device),
             Store::Empty => {
                 let cap = INITIAL_CAPACITY.max(end).min(limit);
                 (
@@ -118,88 +107,77 @@ impl LayerCache {
         Ok(views)
     }
 
-    /// Makes room for positions up to `end` in host rows of `width` floats and returns them;
-    /// the caller writes rows `len()..end` and then calls [`LayerCache::set_len`].
-    pub(crate) fn host_rows(
+    /// The host store for `kv_heads` heads of width `d`, with room for positions up to `end`;
+    /// the caller writes positions `len()..end` and then calls [`LayerCache::set_len`].
+    pub(crate) fn host_store(
         &mut self,
-        width: usize,
+        kv_heads: usize,
+        d: usize,
         end: usize,
         limit: usize,
-    ) -> Result<&mut HostKv> {
+    ) -> Result<&mut KvStore> {
         if end > limit {
             return Err(ModelError::ContextOverflow { needed: end, limit });
         }
         let store = std::mem::replace(&mut self.store, Store::Empty);
         let mut host = match store {
-            Store::Host(host) if host.width == width => host,
-            Store::Tensors(kv) => HostKv::from_tensors(&kv.0, &kv.1, self.len)?,
-            _ => HostKv {
-                width,
-                ..HostKv::default()
-            },
+            Store::Host(host) => host,
+            Store::Tensors(kv) => from_tensors(&kv.0, &kv.1, self.len)?,
+            Store::Empty => KvStore::new(kv_heads, d),
         };
-        if host.width != width {
+        if host.shape() != (kv_heads, d) {
+            let (h, w) = host.shape();
             return Err(ModelError::InvalidArgument(format!(
-                "a cache of {}-wide rows used by a layer with {width}",
-                host.width
+                "a cache of {h} heads × {w} used by a layer of {kv_heads} × {d}"
             )));
         }
-        if host.k.len() < end * width {
-            // Grow geometrically (Vec::resize alone would grow to exactly `end`).
-            let cap = (host.k.len() / width.max(1) * 2)
+        if host.capacity() < end {
+            // Grow geometrically.
+            let cap = (host.capacity() * 2)
                 .max(end)
                 .max(INITIAL_CAPACITY)
                 .min(limit);
-            host.k.resize(cap * width, 0.0);
-            host.v.resize(cap * width, 0.0);
+            host.reserve(cap);
         }
-        self.store = Store::Host(host);
-        match &mut self.store {
-            Store::Host(host) => Ok(host),
-            _ => unreachable!("just stored"),
-        }
+        Ok(self.store.insert_host(host))
     }
 
-    /// Sets the number of cached positions after [`LayerCache::host_rows`] was filled.
+    /// Sets the number of cached positions after [`LayerCache::host_store`] was filled.
     pub(crate) fn set_len(&mut self, len: usize) {
         self.len = len;
     }
 }
 
-impl HostKv {
-    /// Host rows of the first `len` positions of `[kv_heads, capacity, head_dim]` tensors.
-    fn from_tensors(k: &Tensor<3>, v: &Tensor<3>, len: usize) -> Result<Self> {
-        let [heads, _, dim] = k.dims();
-        let rows = |t: &Tensor<3>| -> Result<Vec<f32>> {
-            let data = t.clone().narrow(1, 0, len).swap_dims(0, 1).into_data();
-            data.convert::<f32>()
-                .try_into_vec::<f32>()
-                .map_err(|e| ModelError::InvalidArgument(format!("kv cache: {e:?}")))
-        };
-        Ok(HostKv {
-            k: rows(k)?,
-            v: rows(v)?,
-            width: heads * dim,
-        })
+impl Store {
+    fn insert_host(&mut self, host: KvStore) -> &mut KvStore {
+        *self = Store::Host(host);
+        match self {
+            Store::Host(host) => host,
+            _ => unreachable!("just stored"),
+        }
     }
+}
 
-    /// `[heads, len, dim]` tensors of the first `len` positions.
-    fn to_tensors(
-        &self,
-        len: usize,
-        heads: usize,
-        dim: usize,
-        device: &Device,
-    ) -> (Tensor<3>, Tensor<3>) {
-        let tensor = |rows: &[f32]| {
-            Tensor::<3>::from_data(
-                TensorData::new(rows[..len * heads * dim].to_vec(), [len, heads, dim]),
-                device,
-            )
-            .swap_dims(0, 1)
-        };
-        (tensor(&self.k), tensor(&self.v))
-    }
+/// A host store of the first `len` positions of `[kv_heads, capacity, head_dim]` tensors.
+fn from_tensors(k: &Tensor<3>, v: &Tensor<3>, len: usize) -> Result<KvStore> {
+    let [heads, _, dim] = k.dims();
+    let rows = |t: &Tensor<3>| -> Result<Vec<f32>> {
+        let data = t.clone().narrow(1, 0, len).swap_dims(0, 1).into_data();
+        data.convert::<f32>()
+            .try_into_vec::<f32>()
+            .map_err(|e| ModelError::InvalidArgument(format!("kv cache: {e:?}")))
+    };
+    Ok(KvStore::from_rows(heads, dim, &rows(k)?, &rows(v)?))
+}
+
+/// `[heads, len, dim]` tensors of the first `len` positions of a host store.
+fn to_tensors(host: &KvStore, len: usize, device: &Device) -> (Tensor<3>, Tensor<3>) {
+    let (heads, dim) = host.shape();
+    let (k, v) = host.rows(len);
+    let tensor = |rows: Vec<f32>| {
+        Tensor::<3>::from_data(TensorData::new(rows, [len, heads, dim]), device).swap_dims(0, 1)
+    };
+    (tensor(k), tensor(v))
 }
 
 fn zeros(heads: usize, cap: usize, dim: usize, device: &Device) -> Tensor<3> {

@@ -25,6 +25,26 @@ pub enum WeightDType {
     Bf16,
 }
 
+/// What one forward pass must move and compute: the basis of its roofline time
+/// ([`crate::cpu::roofline::Roofline::seconds`]).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct ForwardCost {
+    /// Bytes of weight matrices streamed (every matrix once, in its stored dtype).
+    pub weight_bytes: f64,
+    /// Bytes of cached keys and values read by attention (each once).
+    pub cache_bytes: f64,
+    /// Floating-point operations: `2 · params · rows` for the matrices, plus attention's
+    /// `4 · layers · heads · head_dim` per row and attended position.
+    pub flops: f64,
+}
+
+impl ForwardCost {
+    /// All bytes that must come from memory.
+    pub fn bytes(&self) -> f64 {
+        self.weight_bytes + self.cache_bytes
+    }
+}
+
 /// A LLaMA decoder whose layers can be run in ranges, for early exit and speculative decoding.
 #[derive(Debug)]
 pub struct Llama {
@@ -209,6 +229,38 @@ impl Llama {
         &self.lm_head
     }
 
+    /// The cost of a full forward pass (all layers and the LM head) over `rows` new tokens
+    /// after `past` cached positions.
+    pub fn forward_cost(&self, rows: usize, past: usize) -> ForwardCost {
+        let c = &self.config;
+        let matrix = |w: &Tensor<2>| {
+            let [o, k] = w.dims();
+            ((o * k) as f64, (o * k * w.dtype().size()) as f64)
+        };
+        let mut params = 0f64;
+        let mut bytes = 0f64;
+        for layer in &self.layers {
+            for w in [&layer.wqkv, &layer.wo, &layer.w_gate_up, &layer.w_down] {
+                let (p, b) = matrix(&w.val());
+                params += p;
+                bytes += b;
+            }
+        }
+        let (p, b) = matrix(&self.lm_head);
+        params += p;
+        bytes += b;
+        let layers = self.layers.len() as f64;
+        let d = c.head_dim() as f64;
+        // Row r attends to past + r + 1 positions.
+        let attended: f64 = (0..rows).map(|r| (past + r + 1) as f64).sum();
+        let attention = 4.0 * layers * c.num_heads as f64 * d * attended;
+        ForwardCost {
+            weight_bytes: bytes,
+            cache_bytes: 2.0 * layers * (past + rows) as f64 * c.num_kv_heads as f64 * d * 4.0,
+            flops: 2.0 * params * rows as f64 + attention,
+        }
+    }
+
     /// An empty KV cache sized for this model.
     pub fn new_cache(&self) -> KvCache {
         KvCache::new(self.layers.len())
@@ -373,6 +425,18 @@ impl Llama {
 }
 
 impl WeightDType {
+    /// Every dtype, in the order they are listed to users.
+    pub const ALL: [WeightDType; 3] = [WeightDType::F32, WeightDType::F16, WeightDType::Bf16];
+
+    /// The name used on command lines and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightDType::F32 => "f32",
+            WeightDType::F16 => "f16",
+            WeightDType::Bf16 => "bf16",
+        }
+    }
+
     /// The burn dtype.
     pub fn dtype(self) -> DType {
         match self {
@@ -380,6 +444,27 @@ impl WeightDType {
             WeightDType::F16 => DType::F16,
             WeightDType::Bf16 => DType::BF16,
         }
+    }
+}
+
+impl std::str::FromStr for WeightDType {
+    type Err = ModelError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        WeightDType::ALL
+            .into_iter()
+            .find(|d| d.name() == s)
+            .ok_or_else(|| {
+                ModelError::InvalidArgument(format!(
+                    "unknown dtype `{s}` (expected f32, f16 or bf16)"
+                ))
+            })
+    }
+}
+
+impl std::fmt::Display for WeightDType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 

@@ -1,15 +1,23 @@
 //! Causal grouped-query attention of a block of new rows against keys and values on the host.
 //!
-//! Keys and values are stored `[position][kv_head][head_dim]`. Row `r` of a block whose first
-//! row sits at position `first` attends to positions `0..=first + r`. Each (row, kv head) pair
-//! is one task: its query heads' scores, softmax and weighted sum of values are computed in a
-//! fixed order that does not depend on the other rows, so a block gives the same bits as its
-//! rows one at a time.
+//! Row `r` of a block whose first row sits at position `first` attends to positions
+//! `0..=first + r`. Keys are stored transposed in blocks of 8 positions
+//! (`[position / 8][kv_head][d][position % 8]`), so the scores of 8 positions come from one
+//! register: a fused multiply-add chain over the head dimension per lane, the query value
+//! broadcast, as in the matrix kernel. Values are stored `[position][kv_head][d]` and summed the
+//! same way over positions. Every score and output element is one chain in a fixed order that
+//! does not depend on the other rows, so a block gives the same bits as its rows one at a time
+//! (and the portable path the same bits as AVX2).
 
 use std::cell::RefCell;
 
-use super::pool::Pool;
-use super::rows::{exp, tree_sum};
+use super::isa::Isa;
+use super::lanes::{Lanes, Soft};
+use super::pool::{Disjoint, Pool};
+use super::rows::{exp, max, sum};
+
+/// Positions per key block (the f32 lanes of one AVX2 register).
+const BLOCK: usize = 8;
 
 /// Head counts and width of an attention layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,22 +30,105 @@ pub struct Heads {
     pub d: usize,
 }
 
-/// Keys and values of positions `0..len`, `[position][kv_head][d]` each.
-#[derive(Debug, Clone, Copy)]
-pub struct KvRows<'a> {
-    /// Keys.
-    pub k: &'a [f32],
-    /// Values.
-    pub v: &'a [f32],
+impl Heads {
+    /// Whether [`attend`] handles this geometry: whole 8-wide vectors per head and at most 8
+    /// query heads per kv head.
+    pub fn supported(&self) -> bool {
+        self.kv > 0
+            && self.q.is_multiple_of(self.kv)
+            && self.q / self.kv <= 8
+            && self.d > 0
+            && self.d.is_multiple_of(BLOCK)
+    }
+}
+
+/// Keys and values of one layer on the host, in the layout [`attend`] reads.
+#[derive(Debug, Clone, Default)]
+pub struct KvStore {
+    /// `[position / 8][kv_head][d][position % 8]`.
+    k: Vec<f32>,
+    /// `[position][kv_head][d]`.
+    v: Vec<f32>,
+    kv_heads: usize,
+    d: usize,
+}
+
+impl KvStore {
+    /// An empty store for `kv_heads` heads of width `d`.
+    pub fn new(kv_heads: usize, d: usize) -> Self {
+        KvStore {
+            kv_heads,
+            d,
+            ..KvStore::default()
+        }
+    }
+
+    /// `(kv_heads, d)`.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.kv_heads, self.d)
+    }
+
+    /// Positions there is room for.
+    pub fn capacity(&self) -> usize {
+        self.v.len() / (self.kv_heads * self.d).max(1)
+    }
+
+    /// Makes room for at least `positions` (keeping what is stored).
+    pub fn reserve(&mut self, positions: usize) {
+        let positions = positions.div_ceil(BLOCK) * BLOCK;
+        let width = self.kv_heads * self.d;
+        if self.v.len() < positions * width {
+            self.k.resize(positions * width, 0.0);
+            self.v.resize(positions * width, 0.0);
+        }
+    }
+
+    /// Stores position `pos`'s keys and values (`[kv_head][d]` each); `pos` must be below
+    /// [`KvStore::capacity`].
+    pub fn write(&mut self, pos: usize, k: &[f32], v: &[f32]) {
+        let (heads, d) = (self.kv_heads, self.d);
+        let width = heads * d;
+        self.v[pos * width..(pos + 1) * width].copy_from_slice(v);
+        let block = &mut self.k[pos / BLOCK * width * BLOCK..][..width * BLOCK];
+        for (c, &value) in k.iter().enumerate() {
+            block[c * BLOCK + pos % BLOCK] = value;
+        }
+    }
+
+    /// The first `len` positions as `[position][kv_head][d]` rows: `(keys, values)`.
+    pub fn rows(&self, len: usize) -> (Vec<f32>, Vec<f32>) {
+        let width = self.kv_heads * self.d;
+        let keys = (0..len * width)
+            .map(|at| {
+                let (pos, c) = (at / width, at % width);
+                self.k[pos / BLOCK * width * BLOCK + c * BLOCK + pos % BLOCK]
+            })
+            .collect();
+        (keys, self.v[..len * width].to_vec())
+    }
+
+    /// A store holding `[position][kv_head][d]` rows of keys and values.
+    pub fn from_rows(kv_heads: usize, d: usize, keys: &[f32], values: &[f32]) -> Self {
+        let width = kv_heads * d;
+        let mut store = KvStore::new(kv_heads, d);
+        let len = values.len() / width.max(1);
+        store.reserve(len);
+        for pos in 0..len {
+            let at = pos * width..(pos + 1) * width;
+            store.write(pos, &keys[at.clone()], &values[at]);
+        }
+        store
+    }
 }
 
 /// Writes `out[r] = attention(q[r])` for each row `r` of the block: `q` rows hold the query
 /// heads at the start of rows `q_stride` apart, `out` rows are `heads.q · d` wide. `kv` must
-/// hold at least `first + rows` positions.
+/// hold at least `first + rows` positions and `heads` must be [`Heads::supported`] and match
+/// the store.
 pub fn attend(
     q: &[f32],
     q_stride: usize,
-    kv: KvRows<'_>,
+    kv: &KvStore,
     first: usize,
     heads: Heads,
     out: &mut [f32],
@@ -45,21 +136,27 @@ pub fn attend(
 ) {
     let Heads { q: nh, kv: nkv, d } = heads;
     let rows = out.len() / (nh * d);
-    debug_assert!(kv.k.len() >= (first + rows) * nkv * d && q.len() >= rows * q_stride);
+    debug_assert!(heads.supported() && kv.shape() == (nkv, d));
+    debug_assert!(kv.capacity() >= first + rows && q.len() >= (rows - 1) * q_stride + nh * d);
     let group = nh / nkv;
-    let scale = 1.0 / (d as f32).sqrt();
-    let out_ptr = SharedOut(out.as_mut_ptr());
+    let span = group * d;
+    let isa = Isa::detect();
+    let out_ptr = Disjoint(out.as_mut_ptr());
+    // Tasks of one kv head are consecutive, so the threads share its keys and values in cache.
     pool.run(rows * nkv, &|task| {
-        let (r, g) = (task / nkv, task % nkv);
-        let positions = first + r + 1;
+        let (r, g) = (task % rows, task / rows);
+        let n = first + r + 1;
         SCORES.with_borrow_mut(|scores| {
-            scores.resize(positions, 0.0);
-            for hq in g * group..(g + 1) * group {
-                let qh = &q[r * q_stride + hq * d..][..d];
-                // SAFETY: task (r, g) writes only row r's heads of group g.
-                let oh = unsafe { out_ptr.slice(r * nh * d + hq * d, d) };
-                head(qh, kv, g * d, nkv * d, scale, scores, oh);
-            }
+            scores.resize(group * n.div_ceil(BLOCK) * BLOCK, 0.0);
+            let job = Group {
+                q: &q[r * q_stride + g * span..][..span],
+                kv,
+                head: g,
+                positions: n,
+            };
+            // SAFETY: task (r, g) writes only row r's query heads of group g.
+            let os = unsafe { out_ptr.slice(r * nh * d + g * span, span) };
+            group_for(isa, &job, scores, os);
         });
     });
 }
@@ -69,70 +166,191 @@ thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// One query head over `scores.len()` positions of the kv head at column `col` (rows `width`
-/// apart).
-fn head(
-    q: &[f32],
-    kv: KvRows<'_>,
-    col: usize,
-    width: usize,
-    scale: f32,
+/// The query heads of one row that share kv head `head`, over its first `positions` positions.
+struct Group<'a> {
+    q: &'a [f32],
+    kv: &'a KvStore,
+    head: usize,
+    positions: usize,
+}
+
+fn group_for(isa: Isa, job: &Group<'_>, scores: &mut [f32], out: &mut [f32]) {
+    match isa.supported() {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => {
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn avx2(job: &Group<'_>, scores: &mut [f32], out: &mut [f32]) {
+                unsafe { group_tiled::<std::arch::x86_64::__m256>(job, scores, out) }
+            }
+            // SAFETY: the CPU has AVX2 and FMA.
+            unsafe { avx2(job, scores, out) }
+        }
+        // SAFETY: portable lanes need no special instructions.
+        _ => unsafe { group_tiled::<Soft<8>>(job, scores, out) },
+    }
+}
+
+/// Picks register tiles for the group size: `G` query heads, `T` key blocks per score tile and
+/// `C` value columns (of 8) per output tile, so that accumulators, broadcast queries and one
+/// loaded vector fit the 16 registers of AVX2. The tiles change only which independent chains
+/// run side by side, never the order within a chain.
+///
+/// # Safety
+/// As [`group`].
+#[inline(always)]
+unsafe fn group_tiled<V: Lanes>(job: &Group<'_>, scores: &mut [f32], out: &mut [f32]) {
+    unsafe {
+        match job.q.len() / job.kv.d {
+            1 => group::<V, 1, 8, 8>(job, scores, out),
+            2 => group::<V, 2, 4, 4>(job, scores, out),
+            3 => group::<V, 3, 3, 4>(job, scores, out),
+            4 => group::<V, 4, 2, 2>(job, scores, out),
+            5 => group::<V, 5, 2, 2>(job, scores, out),
+            6 => group::<V, 6, 1, 1>(job, scores, out),
+            7 => group::<V, 7, 1, 1>(job, scores, out),
+            _ => group::<V, 8, 1, 1>(job, scores, out),
+        }
+    }
+}
+
+/// Scores (`scores: [G][blocks · 8]`), softmax and weighted values of one [`Group`] of `G`
+/// query heads into `out: [G · d]`.
+///
+/// # Safety
+/// `V` has 8 lanes and its instructions are supported; the store and slices match (see
+/// [`attend`]).
+#[inline(always)]
+unsafe fn group<V: Lanes, const G: usize, const T: usize, const C: usize>(
+    job: &Group<'_>,
     scores: &mut [f32],
     out: &mut [f32],
 ) {
-    let d = q.len();
-    let mut max = f32::NEG_INFINITY;
-    for (i, s) in scores.iter_mut().enumerate() {
-        *s = dot(q, &kv.k[i * width + col..][..d]) * scale;
-        max = max.max(*s);
-    }
-    let mut partial = [0f32; 8];
-    for (i, s) in scores.iter_mut().enumerate() {
-        *s = exp(*s - max);
-        partial[i % 8] += *s;
-    }
-    let inv = 1.0 / tree_sum(partial);
-    out.fill(0.0);
-    for (i, &p) in scores.iter().enumerate() {
-        let v = &kv.v[i * width + col..][..d];
-        for (o, &vv) in out.iter_mut().zip(v) {
-            *o += p * vv;
+    debug_assert_eq!(V::WIDTH, BLOCK);
+    let (heads, d) = job.kv.shape();
+    let n = job.positions;
+    let blocks = n.div_ceil(BLOCK);
+    let padded = blocks * BLOCK;
+    let scale = 1.0 / (d as f32).sqrt();
+    unsafe {
+        // Scores, 8 positions per register: s[p] = Σ_c q[c] · k[p][c], one chain per lane.
+        let keys = job.kv.k.as_ptr().add(job.head * d * BLOCK);
+        let block_stride = heads * d * BLOCK;
+        let sp = scores.as_mut_ptr();
+        let mut block = 0;
+        while block + T <= blocks {
+            score_tile::<V, G, T>(job.q.as_ptr(), d, keys, block_stride, block, sp, padded);
+            block += T;
         }
-    }
-    for o in out.iter_mut() {
-        *o *= inv;
+        while block < blocks {
+            score_tile::<V, G, 1>(job.q.as_ptr(), d, keys, block_stride, block, sp, padded);
+            block += 1;
+        }
+        // Softmax per head over the first n positions (unnormalised; the sum divides at the end).
+        let mut inv = [0f32; G];
+        for (h, inv) in inv.iter_mut().enumerate() {
+            let s = &mut scores[h * padded..h * padded + n];
+            for x in s.iter_mut() {
+                *x *= scale;
+            }
+            let max = max(s);
+            for x in s.iter_mut() {
+                *x = exp(*x - max);
+            }
+            *inv = 1.0 / sum(s);
+        }
+        // out[h][c] = Σ_p prob[h][p] · v[p][c], C columns of 8 at a time.
+        let values = job.kv.v.as_ptr().add(job.head * d);
+        let (width, op) = (heads * d, out.as_mut_ptr());
+        let cols = d / BLOCK;
+        let mut col = 0;
+        while col + C <= cols {
+            value_tile::<V, G, C>(scores.as_ptr(), padded, n, values, width, col, op, d);
+            col += C;
+        }
+        while col < cols {
+            value_tile::<V, G, 1>(scores.as_ptr(), padded, n, values, width, col, op, d);
+            col += 1;
+        }
+        for (h, inv) in inv.iter().enumerate() {
+            for v in &mut out[h * d..(h + 1) * d] {
+                *v *= inv;
+            }
+        }
     }
 }
 
-/// `Σ a·b` in eight partial sums (fixed tree), then the tail in order.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ta, tb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
+/// Scores of `G` heads against key blocks `block..block + T`.
+///
+/// # Safety
+/// As [`group`].
+#[inline(always)]
+unsafe fn score_tile<V: Lanes, const G: usize, const T: usize>(
+    q: *const f32,
+    d: usize,
+    keys: *const f32,
+    block_stride: usize,
+    block: usize,
+    scores: *mut f32,
+    padded: usize,
+) {
+    unsafe {
+        let mut acc = [[V::zero(); G]; T];
+        for c in 0..d {
+            let mut qs = [V::zero(); G];
+            for (h, q_h) in qs.iter_mut().enumerate() {
+                *q_h = V::splat(q.add(h * d + c));
+            }
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let k = V::load(keys.add((block + t) * block_stride + c * BLOCK));
+                for (a, q_h) in acc.iter_mut().zip(&qs) {
+                    *a = V::mul_add(*q_h, k, *a);
+                }
+            }
+        }
+        for (t, acc) in acc.iter().enumerate() {
+            for (h, a) in acc.iter().enumerate() {
+                a.store(scores.add(h * padded + (block + t) * BLOCK));
+            }
         }
     }
-    let mut s = tree_sum(acc);
-    for (x, y) in ta.iter().zip(tb) {
-        s += x * y;
-    }
-    s
 }
 
-/// The output buffer, shared by tasks that write disjoint heads.
-struct SharedOut(*mut f32);
-
-// SAFETY: tasks write disjoint ranges.
-unsafe impl Sync for SharedOut {}
-
-impl SharedOut {
-    /// # Safety
-    /// The range is inside the buffer and no other task touches it.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn slice(&self, start: usize, len: usize) -> &mut [f32] {
-        unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }
+/// Weighted sums of `G` heads over value columns `col..col + C` (each 8 wide).
+///
+/// # Safety
+/// As [`group`].
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn value_tile<V: Lanes, const G: usize, const C: usize>(
+    probs: *const f32,
+    padded: usize,
+    n: usize,
+    values: *const f32,
+    width: usize,
+    col: usize,
+    out: *mut f32,
+    d: usize,
+) {
+    unsafe {
+        let mut acc = [[V::zero(); C]; G];
+        for p in 0..n {
+            let row = values.add(p * width + col * BLOCK);
+            let mut weights = [V::zero(); G];
+            for (h, w) in weights.iter_mut().enumerate() {
+                *w = V::splat(probs.add(h * padded + p));
+            }
+            for j in 0..C {
+                let v = V::load(row.add(j * BLOCK));
+                for (acc, w) in acc.iter_mut().zip(&weights) {
+                    acc[j] = V::mul_add(*w, v, acc[j]);
+                }
+            }
+        }
+        for (h, acc) in acc.iter().enumerate() {
+            for (j, a) in acc.iter().enumerate() {
+                a.store(out.add(h * d + (col + j) * BLOCK));
+            }
+        }
     }
 }
 
@@ -146,7 +364,7 @@ mod tests {
             .collect()
     }
 
-    /// Straightforward f64 attention.
+    /// Straightforward f64 attention over `[position][kv_head][d]` rows.
     fn reference(q: &[f32], k: &[f32], v: &[f32], first: usize, h: Heads) -> Vec<f64> {
         let rows = q.len() / (h.q * h.d);
         let mut out = vec![0f64; rows * h.q * h.d];
@@ -178,31 +396,76 @@ mod tests {
         out
     }
 
+    fn run(
+        isa_portable: bool,
+        q: &[f32],
+        kv: &KvStore,
+        first: usize,
+        h: Heads,
+        pool: &Pool,
+    ) -> Vec<f32> {
+        let mut out = vec![0f32; q.len()];
+        if isa_portable {
+            let w = h.q * h.d;
+            for r in 0..q.len() / w {
+                let n = first + r + 1;
+                let group = h.q / h.kv;
+                for g in 0..h.kv {
+                    let mut scores = vec![0f32; group * n.div_ceil(BLOCK) * BLOCK];
+                    let job = Group {
+                        q: &q[r * w + g * group * h.d..][..group * h.d],
+                        kv,
+                        head: g,
+                        positions: n,
+                    };
+                    let o = &mut out[r * w + g * group * h.d..][..group * h.d];
+                    group_for(Isa::Portable, &job, &mut scores, o);
+                }
+            }
+        } else {
+            attend(q, h.q * h.d, kv, first, h, &mut out, pool);
+        }
+        out
+    }
+
     #[test]
-    fn matches_reference_and_rows_are_batch_invariant() {
-        let h = Heads { q: 6, kv: 2, d: 20 };
+    fn matches_reference_rows_are_batch_invariant_and_simd_equals_portable() {
+        // Every group size has its own register tiles; d = 24 leaves partial column tiles.
+        for (q, kv, d) in [
+            (6, 2, 24),
+            (3, 3, 64),
+            (4, 2, 16),
+            (8, 2, 8),
+            (10, 2, 24),
+            (8, 1, 32),
+        ] {
+            check(Heads { q, kv, d });
+        }
+    }
+
+    fn check(h: Heads) {
+        assert!(h.supported());
         let pool = Pool::new(3);
         let (first, rows) = (13, 5);
         let n = first + rows;
         let k = values(n * h.kv * h.d, 1);
         let v = values(n * h.kv * h.d, 2);
+        let kv = KvStore::from_rows(h.kv, h.d, &k, &v);
+        assert_eq!(kv.rows(n), (k.clone(), v.clone()));
         let q = values(rows * h.q * h.d, 3);
-        let kv = KvRows { k: &k, v: &v };
-        let mut block = vec![0f32; rows * h.q * h.d];
-        attend(&q, h.q * h.d, kv, first, h, &mut block, &pool);
+        let block = run(false, &q, &kv, first, h, &pool);
         for (got, want) in block.iter().zip(reference(&q, &k, &v, first, h)) {
             assert!((*got as f64 - want).abs() < 1e-5, "{got} vs {want}");
         }
+        assert_eq!(run(true, &q, &kv, first, h, &pool), block);
         let w = h.q * h.d;
         for r in 0..rows {
-            let mut alone = vec![0f32; w];
-            attend(
+            let alone = run(
+                false,
                 &q[r * w..(r + 1) * w],
-                w,
-                kv,
+                &kv,
                 first + r,
                 h,
-                &mut alone,
                 &Pool::new(1),
             );
             assert_eq!(alone, block[r * w..(r + 1) * w]);

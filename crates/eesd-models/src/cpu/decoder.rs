@@ -7,17 +7,18 @@
 //! each row on its own in a fixed order, so a block forward is bit-identical to its rows one at
 //! a time.
 
+use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::Arc;
 
 use burn::tensor::{Tensor, TensorData};
 use burn_flex::{Flex, FlexTensor};
 
-use super::attention::{Heads, KvRows, attend};
+use super::attention::{Heads, KvStore, attend};
 use super::packed::PackedWeight;
 use super::pool::Pool;
 use super::rows::{rms_norm, rope, silu_mul};
-use crate::cache::{HostKv, LayerCache};
+use crate::cache::LayerCache;
 use crate::error::{ModelError, Result};
 use crate::layer::DecoderLayer;
 use crate::rope::Rope;
@@ -49,6 +50,14 @@ pub(crate) fn forward(
     limit: usize,
     mlp: bool,
 ) -> Option<Result<Tensor<2>>> {
+    let heads = Heads {
+        q: layer.num_heads,
+        kv: layer.num_kv_heads,
+        d: layer.head_dim,
+    };
+    if !heads.supported() {
+        return None;
+    }
     let x_flex = flex_f32(x)?;
     let weights = Weights::of(layer, mlp)?;
     let (cos_t, sin_t) = rope.tables();
@@ -92,6 +101,32 @@ impl Weights {
     }
 }
 
+/// Below this many values a per-row step (norm, gating) runs on the calling thread: handing it
+/// to the pool would cost more than the step.
+const PARALLEL_ROW_WORK: usize = 1 << 16;
+
+/// Buffers of one layer's intermediate rows, kept per thread and reused by every call (a
+/// forward pass allocates nothing per layer).
+#[derive(Default)]
+struct Scratch {
+    normed: Vec<f32>,
+    qkv: Vec<f32>,
+    attended: Vec<f32>,
+    projected: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// `buffer` resized to `len` (contents unspecified: every user overwrites it).
+fn sized(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    buffer.resize(len, 0.0);
+    &mut buffer[..len]
+}
+
 fn run(
     layer: &DecoderLayer,
     w: &Weights,
@@ -110,14 +145,12 @@ fn run(
     let h = w.wo.out();
     let t = x.len() / h;
     let eps = layer.eps as f32;
-    let gain = |f: &FlexTensor| f.as_slice::<f32>().map(<[f32]>::to_vec);
-    let (attn_norm, mlp_norm) = match (gain(&w.attn_norm), gain(&w.mlp_norm)) {
-        (Some(a), Some(m)) => (a, m),
-        _ => {
-            return Err(ModelError::InvalidArgument(
-                "norm gains are not contiguous".into(),
-            ));
-        }
+    let (Some(attn_norm), Some(mlp_norm)) =
+        (w.attn_norm.as_slice::<f32>(), w.mlp_norm.as_slice::<f32>())
+    else {
+        return Err(ModelError::InvalidArgument(
+            "norm gains are not contiguous".into(),
+        ));
     };
     // Check every sequence before touching any cache.
     for s in seqs.iter() {
@@ -133,73 +166,98 @@ fn run(
             )));
         }
     }
-    let product = |m: &PackedWeight, input: &[f32], out: usize| -> Result<Vec<f32>> {
-        let mut y = vec![0f32; t * out];
-        m.matmul(input, &mut y)
-            .map_err(|e| ModelError::InvalidArgument(e.to_string()))?;
-        Ok(y)
+    let pool = Pool::global();
+    // Rows per task for the cheap per-row steps: a few tasks per thread for large blocks; one
+    // task (on this thread, no hand-off) when the whole step is a few microseconds.
+    let per_task = match t * layer.ffn < PARALLEL_ROW_WORK {
+        true => t,
+        false => t.div_ceil(pool.threads() * 2).max(1),
     };
-
-    // Attention half.
-    let mut normed = vec![0f32; t * h];
-    for (row, out) in x.chunks_exact(h).zip(normed.chunks_exact_mut(h)) {
-        rms_norm(row, &attn_norm, eps, out);
-    }
-    let qkv_w = (nh + 2 * nkv) * d;
-    let mut qkv = product(&w.wqkv, &normed, qkv_w)?;
-    let width = nkv * d;
-    let mut attended = vec![0f32; t * nh * d];
-    for s in seqs.iter_mut() {
-        let past = s.cache.as_ref().map_or(0, |c| c.len());
-        let n = s.rows.len();
-        for (i, r) in s.rows.clone().enumerate() {
-            let pos = past + i;
-            let (cos, sin) = (&cos[pos * d..(pos + 1) * d], &sin[pos * d..(pos + 1) * d]);
-            let row = &mut qkv[r * qkv_w..(r + 1) * qkv_w];
-            rope(&mut row[..(nh + nkv) * d], d, cos, sin);
-        }
-        let mut local = HostKv::default();
-        let kv = match s.cache.as_deref_mut() {
-            Some(cache) => cache.host_rows(width, past + n, limit)?,
-            None => {
-                local.k.resize(n * width, 0.0);
-                local.v.resize(n * width, 0.0);
-                &mut local
+    let product = |m: &PackedWeight, input: &[f32], y: &mut [f32]| -> Result<()> {
+        m.matmul(input, y)
+            .map_err(|e| ModelError::InvalidArgument(e.to_string()))
+    };
+    let norm_rows = |x: &[f32], gain: &[f32], out: &mut [f32]| {
+        pool.for_each_chunk(out, per_task * h, &|i, rows| {
+            let first = i * per_task * h;
+            for (r, o) in rows.chunks_exact_mut(h).enumerate() {
+                let at = first + r * h;
+                rms_norm(&x[at..at + h], gain, eps, o);
             }
-        };
-        for (i, r) in s.rows.clone().enumerate() {
-            let row = &qkv[r * qkv_w..(r + 1) * qkv_w];
-            let at = (past + i) * width;
-            kv.k[at..at + width].copy_from_slice(&row[nh * d..(nh + nkv) * d]);
-            kv.v[at..at + width].copy_from_slice(&row[(nh + nkv) * d..]);
+        });
+    };
+    SCRATCH.with_borrow_mut(|scratch| {
+        let Scratch {
+            normed,
+            qkv,
+            attended,
+            projected,
+            gate_up,
+            act,
+        } = scratch;
+        // Attention half.
+        let normed = sized(normed, t * h);
+        norm_rows(x, attn_norm, normed);
+        let qkv_w = (nh + 2 * nkv) * d;
+        let qkv = sized(qkv, t * qkv_w);
+        product(&w.wqkv, normed, qkv)?;
+        let attended = sized(attended, t * nh * d);
+        for s in seqs.iter_mut() {
+            let past = s.cache.as_ref().map_or(0, |c| c.len());
+            let n = s.rows.len();
+            for (i, r) in s.rows.clone().enumerate() {
+                let pos = past + i;
+                let (cos, sin) = (&cos[pos * d..(pos + 1) * d], &sin[pos * d..(pos + 1) * d]);
+                rope(&mut qkv[r * qkv_w..r * qkv_w + (nh + nkv) * d], d, cos, sin);
+            }
+            let mut local = KvStore::new(nkv, d);
+            let kv = match s.cache.as_deref_mut() {
+                Some(cache) => cache.host_store(nkv, d, past + n, limit)?,
+                None => {
+                    local.reserve(n);
+                    &mut local
+                }
+            };
+            for (i, r) in s.rows.clone().enumerate() {
+                let row = &qkv[r * qkv_w..(r + 1) * qkv_w];
+                kv.write(
+                    past + i,
+                    &row[nh * d..(nh + nkv) * d],
+                    &row[(nh + nkv) * d..],
+                );
+            }
+            let q = &qkv[s.rows.start * qkv_w..];
+            let out = &mut attended[s.rows.start * nh * d..s.rows.end * nh * d];
+            attend(q, qkv_w, kv, past, heads, out, pool);
+            if let Some(cache) = s.cache.as_deref_mut() {
+                cache.set_len(past + n);
+            }
         }
-        let q = &qkv[s.rows.start * qkv_w..];
-        let out = &mut attended[s.rows.start * nh * d..s.rows.end * nh * d];
-        let rows_kv = KvRows {
-            k: &kv.k[..(past + n) * width],
-            v: &kv.v[..(past + n) * width],
-        };
-        attend(q, qkv_w, rows_kv, past, heads, out, Pool::global());
-        if let Some(cache) = s.cache.as_deref_mut() {
-            cache.set_len(past + n);
-        }
-    }
-    let o = product(&w.wo, &attended, h)?;
-    x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+        let projected = sized(projected, t * h);
+        product(&w.wo, attended, projected)?;
+        x.iter_mut()
+            .zip(projected.iter())
+            .for_each(|(a, b)| *a += b);
 
-    // MLP half.
-    if let Some((gate_up, down)) = &w.mlp {
-        for (row, out) in x.chunks_exact(h).zip(normed.chunks_exact_mut(h)) {
-            rms_norm(row, &mlp_norm, eps, out);
+        // MLP half.
+        if let Some((w_gate_up, w_down)) = &w.mlp {
+            norm_rows(x, mlp_norm, normed);
+            let ffn = w_gate_up.out() / 2;
+            let gate_up = sized(gate_up, t * 2 * ffn);
+            product(w_gate_up, normed, gate_up)?;
+            let act = sized(act, t * ffn);
+            pool.for_each_chunk(act, per_task * ffn, &|i, rows| {
+                let first = i * per_task;
+                for (r, out) in rows.chunks_exact_mut(ffn).enumerate() {
+                    let gu = &gate_up[(first + r) * 2 * ffn..][..2 * ffn];
+                    silu_mul(&gu[..ffn], &gu[ffn..], out);
+                }
+            });
+            product(w_down, act, projected)?;
+            x.iter_mut()
+                .zip(projected.iter())
+                .for_each(|(a, b)| *a += b);
         }
-        let ffn = gate_up.out() / 2;
-        let gu = product(gate_up, &normed, 2 * ffn)?;
-        let mut act = vec![0f32; t * ffn];
-        for (row, out) in gu.chunks_exact(2 * ffn).zip(act.chunks_exact_mut(ffn)) {
-            silu_mul(&row[..ffn], &row[ffn..], out);
-        }
-        let dn = product(down, &act, h)?;
-        x.iter_mut().zip(&dn).for_each(|(a, b)| *a += b);
-    }
-    Ok(())
+        Ok(())
+    })
 }

@@ -100,7 +100,6 @@ pub fn packed_linear(x: &Tensor<2>, w: &Tensor<2>, cache: &PackedCache) -> Optio
         true => x_flex,
         false => x_flex.to_contiguous(),
     };
-    let mut y = vec![0f32; b * out];
-    packed.matmul(x_flex.as_slice::<f32>()?, &mut y).ok()?;
+    let y = packed.matmul_to_vec(x_flex.as_slice::<f32>()?).ok()?;
     Some(Tensor::from_data(TensorData::new(y, [b, out]), &x.device()))
 }

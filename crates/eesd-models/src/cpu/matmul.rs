@@ -73,6 +73,20 @@ impl<E: WeightElement> PackedMatrix<E> {
         self.matmul_with(Isa::detect(), Pool::global(), x, y)
     }
 
+    /// [`PackedMatrix::matmul`] into a new vector `[b, out]` (never zero-filled: the kernel
+    /// writes every element).
+    pub fn matmul_to_vec(&self, x: &[f32]) -> Result<Vec<f32>, ShapeError> {
+        let b = x.len() / self.k();
+        let len = b * self.out();
+        let mut y: Vec<f32> = Vec::with_capacity(len);
+        // SAFETY: `y` has room for `len` values; the kernel writes all of them before `set_len`.
+        unsafe {
+            self.matmul_raw(Isa::detect(), Pool::global(), x, y.as_mut_ptr(), len)?;
+            y.set_len(len);
+        }
+        Ok(y)
+    }
+
     /// [`PackedMatrix::matmul`] with an explicit instruction set and pool. An `isa` this CPU
     /// lacks falls back to the best one it has (the results are the same).
     pub fn matmul_with(
@@ -82,12 +96,28 @@ impl<E: WeightElement> PackedMatrix<E> {
         x: &[f32],
         y: &mut [f32],
     ) -> Result<(), ShapeError> {
+        // SAFETY: `y` is a valid buffer of its length.
+        unsafe { self.matmul_raw(isa, pool, x, y.as_mut_ptr(), y.len()) }
+    }
+
+    /// The product into `y_len` floats at `y` (written, never read).
+    ///
+    /// # Safety
+    /// `y` is valid for `y_len` writes.
+    unsafe fn matmul_raw(
+        &self,
+        isa: Isa,
+        pool: &Pool,
+        x: &[f32],
+        y: *mut f32,
+        y_len: usize,
+    ) -> Result<(), ShapeError> {
         let (out, k) = (self.out(), self.k());
         let b = x.len() / k;
-        if !x.len().is_multiple_of(k) || b.checked_mul(out) != Some(y.len()) {
+        if !x.len().is_multiple_of(k) || b.checked_mul(out) != Some(y_len) {
             return Err(ShapeError::Operands {
                 x: x.len(),
-                y: y.len(),
+                y: y_len,
                 out,
                 k,
             });
@@ -99,16 +129,16 @@ impl<E: WeightElement> PackedMatrix<E> {
         let problem = Problem {
             w: self.data().as_ptr(),
             x: x.as_ptr(),
-            y: y.as_mut_ptr(),
+            y,
             k,
             b,
             out,
         };
         let panels = out.div_ceil(PANEL);
-        // Two panels per scheduling unit (an AVX-512 tile); a few units per thread even out a
-        // noisy machine while each stays large.
+        // Two panels per scheduling unit (an AVX-512 tile); many small tasks even out the
+        // threads' finishing times (a task is a few microseconds at least).
         let units = panels.div_ceil(2);
-        let tasks = units.min(pool.threads() * 4);
+        let tasks = units.min(pool.threads() * 16);
         let per_task = units.div_ceil(tasks) * 2;
         let tasks = panels.div_ceil(per_task);
         pool.run(tasks, &|t| {

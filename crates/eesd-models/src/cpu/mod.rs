@@ -4,6 +4,10 @@
 //! The kernels are pure Rust on slices; [`PackedCache`] and [`packed_linear`] connect them to
 //! burn-flex tensors (used by [`crate::layer::linear`]).
 
+// Declared first: the modules below use its macro.
+#[macro_use]
+mod dispatch;
+
 pub mod attention;
 #[cfg(feature = "flex")]
 pub(crate) mod decoder;
@@ -14,6 +18,7 @@ pub(crate) mod lanes;
 pub mod matmul;
 pub mod packed;
 pub mod pool;
+pub mod roofline;
 pub mod rows;
 
 #[cfg(feature = "flex")]
@@ -23,6 +28,7 @@ pub use lanes::WeightElement;
 pub use matmul::ShapeError;
 pub use packed::{PANEL, PackedMatrix, PackedWeight};
 pub use pool::Pool;
+pub use roofline::Roofline;
 
 /// Without the flex backend there is nothing to pack: an empty stand-in keeps module layouts
 /// the same in every build.

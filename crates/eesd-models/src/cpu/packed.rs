@@ -44,10 +44,7 @@ impl<E: WeightElement> PackedMatrix<E> {
         }
         let panels = out.div_ceil(PANEL);
         let mut data = vec![E::default(); panels * k * PANEL];
-        let dst = SharedMut(data.as_mut_ptr());
-        Pool::global().run(panels, &|p| {
-            // SAFETY: task `p` writes panel `p` only, inside `data`.
-            let panel = unsafe { std::slice::from_raw_parts_mut(dst.at(p * k * PANEL), k * PANEL) };
+        Pool::global().for_each_chunk(&mut data, k * PANEL, &|p, panel| {
             let rows = (out - p * PANEL).min(PANEL);
             for c in 0..rows {
                 let row = &w[(p * PANEL + c) * k..(p * PANEL + c + 1) * k];
@@ -92,20 +89,6 @@ impl<E: WeightElement> PackedMatrix<E> {
     }
 }
 
-/// A pointer that tasks writing disjoint parts of one buffer share.
-struct SharedMut<E>(*mut E);
-
-// SAFETY: each task writes its own part.
-unsafe impl<E> Sync for SharedMut<E> {}
-
-impl<E> SharedMut<E> {
-    /// # Safety
-    /// `offset` is inside the buffer.
-    unsafe fn at(&self, offset: usize) -> *mut E {
-        unsafe { self.0.add(offset) }
-    }
-}
-
 /// A [`PackedMatrix`] of whichever weight type the model stores.
 #[derive(Debug, Clone, PartialEq)]
 pub enum PackedWeight {
@@ -124,6 +107,15 @@ impl PackedWeight {
             PackedWeight::F32(m) => m.matmul(x, y),
             PackedWeight::F16(m) => m.matmul(x, y),
             PackedWeight::Bf16(m) => m.matmul(x, y),
+        }
+    }
+
+    /// [`PackedMatrix::matmul_to_vec`].
+    pub fn matmul_to_vec(&self, x: &[f32]) -> Result<Vec<f32>, ShapeError> {
+        match self {
+            PackedWeight::F32(m) => m.matmul_to_vec(x),
+            PackedWeight::F16(m) => m.matmul_to_vec(x),
+            PackedWeight::Bf16(m) => m.matmul_to_vec(x),
         }
     }
 

@@ -161,6 +161,42 @@ impl Pool {
     }
 }
 
+impl Pool {
+    /// Calls `f(i, chunk)` for every `chunk`-long piece `i` of `data` (the last may be
+    /// shorter), spread over the pool.
+    pub fn for_each_chunk<T: Send>(
+        &self,
+        data: &mut [T],
+        chunk: usize,
+        f: &(dyn Fn(usize, &mut [T]) + Sync),
+    ) {
+        let chunk = chunk.max(1);
+        let len = data.len();
+        let base = Disjoint(data.as_mut_ptr());
+        self.run(len.div_ceil(chunk), &|i| {
+            let start = i * chunk;
+            let n = chunk.min(len - start);
+            // SAFETY: piece i is [start, start + n), inside `data`, and no other task's.
+            f(i, unsafe { base.slice(start, n) });
+        });
+    }
+}
+
+/// A buffer that tasks write in disjoint pieces.
+pub(crate) struct Disjoint<T>(pub(crate) *mut T);
+
+// SAFETY: each task touches only its own piece.
+unsafe impl<T: Send> Sync for Disjoint<T> {}
+
+impl<T> Disjoint<T> {
+    /// # Safety
+    /// `start..start + len` is inside the buffer and no other live slice overlaps it.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn slice(&self, start: usize, len: usize) -> &mut [T] {
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }
+    }
+}
+
 fn noop(_: usize) {}
 
 /// A worker's loop; it starts before any job, at epoch 0 (reading the epoch here instead would
@@ -242,6 +278,16 @@ mod tests {
         for h in handles {
             h.join().unwrap();
         }
+    }
+
+    #[test]
+    fn chunks_cover_the_data_once() {
+        let pool = Pool::new(3);
+        let mut data = vec![0usize; 103];
+        pool.for_each_chunk(&mut data, 10, &|i, chunk| {
+            chunk.iter_mut().for_each(|v| *v += i + 1);
+        });
+        assert!(data.iter().enumerate().all(|(j, &v)| v == j / 10 + 1));
     }
 
     #[test]

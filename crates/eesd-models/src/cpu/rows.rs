@@ -6,16 +6,55 @@
 //! rows around it or on how the compiler vectorises the loop: blocks stay bit-identical to rows
 //! computed alone.
 
-/// `out = x / sqrt(mean(x²) + eps) · gamma` for one row.
-pub fn rms_norm(x: &[f32], gamma: &[f32], eps: f32, out: &mut [f32]) {
-    let mean = sum_of_squares(x) / x.len() as f32;
-    let rms = (mean + eps).sqrt();
-    for ((o, &v), &g) in out.iter_mut().zip(x).zip(gamma) {
-        *o = v / rms * g;
+simd_fn! {
+    /// `out = x / sqrt(mean(x²) + eps) · gamma` for one row.
+    pub fn rms_norm(x: &[f32], gamma: &[f32], eps: f32, out: &mut [f32]) {
+        let mean = sum_of_squares(x) / x.len() as f32;
+        let rms = (mean + eps).sqrt();
+        for ((o, &v), &g) in out.iter_mut().zip(x).zip(gamma) {
+            *o = v / rms * g;
+        }
     }
 }
 
+/// The largest value of `x` (−∞ when empty; NaNs are passed over), in eight lanes that the
+/// compiler turns into vector max instructions.
+#[inline(always)]
+pub fn max(x: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let chunks = x.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for l in 0..8 {
+            lanes[l] = if c[l] > lanes[l] { c[l] } else { lanes[l] };
+        }
+    }
+    lanes
+        .into_iter()
+        .chain(tail.iter().copied())
+        .fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m })
+}
+
+/// `Σ x` in eight partial sums added in a fixed tree, then the tail in order.
+#[inline(always)]
+pub fn sum(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = x.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for l in 0..8 {
+            acc[l] += c[l];
+        }
+    }
+    let mut s = tree_sum(acc);
+    for &v in tail {
+        s += v;
+    }
+    s
+}
+
 /// `Σ x²` in eight partial sums added in a fixed tree, then the tail in order.
+#[inline(always)]
 pub fn sum_of_squares(x: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let chunks = x.chunks_exact(8);
@@ -44,24 +83,28 @@ pub fn tree_sum(mut a: [f32; 8]) -> f32 {
     a[0] + a[1]
 }
 
-/// Rotates each head of `row: [heads · d]` by the position's tables `cos, sin: [d]` (halves
-/// duplicated), rotate-half convention: `x·cos + [−x₂, x₁]·sin`.
-pub fn rope(row: &mut [f32], d: usize, cos: &[f32], sin: &[f32]) {
-    let half = d / 2;
-    for head in row.chunks_exact_mut(d) {
-        let (x1, x2) = head.split_at_mut(half);
-        for i in 0..half {
-            let (a, b) = (x1[i], x2[i]);
-            x1[i] = a * cos[i] + (-b) * sin[i];
-            x2[i] = b * cos[half + i] + a * sin[half + i];
+simd_fn! {
+    /// Rotates each head of `row: [heads · d]` by the position's tables `cos, sin: [d]` (halves
+    /// duplicated), rotate-half convention: `x·cos + [−x₂, x₁]·sin`.
+    pub fn rope(row: &mut [f32], d: usize, cos: &[f32], sin: &[f32]) {
+        let half = d / 2;
+        for head in row.chunks_exact_mut(d) {
+            let (x1, x2) = head.split_at_mut(half);
+            for i in 0..half {
+                let (a, b) = (x1[i], x2[i]);
+                x1[i] = a * cos[i] + (-b) * sin[i];
+                x2[i] = b * cos[half + i] + a * sin[half + i];
+            }
         }
     }
 }
 
-/// `out = silu(gate) · up`, `silu(g) = g / (1 + e^−g)`.
-pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        *o = g / (1.0 + exp(-g)) * u;
+simd_fn! {
+    /// `out = silu(gate) · up`, `silu(g) = g / (1 + e^−g)`.
+    pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            *o = g / (1.0 + exp(-g)) * u;
+        }
     }
 }
 

@@ -1,0 +1,241 @@
+//! Measuring this machine's roofline: read bandwidth from memory and the FMA peak, on the same
+//! threads and instruction set the kernels use.
+//!
+//! A forward pass over `b` rows must stream the weights once (`bytes`) and do about
+//! `2 · params · b` flops; at best it takes `max(bytes / bandwidth, flops / peak)`. Benchmarks
+//! report measured time against that bound (`efficiency = roofline / measured`), so a reader
+//! sees how far each block size is from the hardware rather than from a previous version.
+
+use std::time::Instant;
+
+use super::isa::Isa;
+use super::lanes::{Lanes, Soft};
+use super::pool::Pool;
+
+/// Bytes streamed by the bandwidth probe: far larger than any last-level cache.
+const PROBE_BYTES: usize = 512 << 20;
+
+/// A machine's measured limits.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Roofline {
+    /// Instruction set of the FMA probe (the one the kernels use).
+    pub isa: Isa,
+    /// Threads used (the kernels' pool).
+    pub threads: usize,
+    /// Read bandwidth from memory, GB/s (10⁹ bytes), best of several passes.
+    pub bandwidth_gb_s: f64,
+    /// Fused multiply-add peak, GFLOP/s (one FMA = 2 flops), best of several runs.
+    pub fma_gflop_s: f64,
+}
+
+impl Roofline {
+    /// Measures bandwidth and FMA peak on the process-wide pool with the detected ISA (about
+    /// a second, and 512 MiB of memory for the duration).
+    pub fn measure() -> Roofline {
+        let pool = Pool::global();
+        let isa = Isa::detect();
+        Roofline {
+            isa,
+            threads: pool.threads(),
+            bandwidth_gb_s: read_bandwidth(pool, isa, PROBE_BYTES, 5),
+            fma_gflop_s: fma_peak(pool, isa, 5),
+        }
+    }
+
+    /// The least time (seconds) in which this machine can read `bytes` from memory and do
+    /// `flops` floating-point operations, overlapping the two perfectly.
+    pub fn seconds(&self, bytes: f64, flops: f64) -> f64 {
+        (bytes / (self.bandwidth_gb_s * 1e9)).max(flops / (self.fma_gflop_s * 1e9))
+    }
+
+    /// Which limit binds for `bytes` and `flops`: `"memory"` or `"compute"`.
+    pub fn bound(&self, bytes: f64, flops: f64) -> &'static str {
+        if bytes / self.bandwidth_gb_s >= flops / self.fma_gflop_s {
+            "memory"
+        } else {
+            "compute"
+        }
+    }
+}
+
+/// The CPU's model name (`/proc/cpuinfo` on Linux), for reports.
+pub fn cpu_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|n| n.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
+/// Best GB/s over `passes` reads of a `bytes`-long buffer split across the pool.
+pub fn read_bandwidth(pool: &Pool, isa: Isa, bytes: usize, passes: usize) -> f64 {
+    let n = bytes / 4;
+    let buffer: Vec<f32> = vec![1.0; n];
+    // Each thread reads its own contiguous share, in one task per thread.
+    let tasks = pool.threads();
+    let share = n.div_ceil(tasks).div_ceil(64) * 64;
+    let mut best = 0f64;
+    for _ in 0..passes {
+        let start = Instant::now();
+        pool.run(tasks, &|t| {
+            let part = &buffer[(t * share).min(n)..((t + 1) * share).min(n)];
+            std::hint::black_box(sum(isa, part));
+        });
+        best = best.max(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}
+
+/// Best GFLOP/s over `runs` of register-only FMA chains on every thread of the pool.
+pub fn fma_peak(pool: &Pool, isa: Isa, runs: usize) -> f64 {
+    const STEPS: usize = 2_000_000;
+    let tasks = pool.threads();
+    let mut best = 0f64;
+    for _ in 0..runs {
+        let start = Instant::now();
+        let flops_per_task = std::sync::atomic::AtomicUsize::new(0);
+        pool.run(tasks, &|_| {
+            let f = fma_chains(isa, STEPS);
+            flops_per_task.store(f, std::sync::atomic::Ordering::Relaxed);
+        });
+        let flops = (flops_per_task.into_inner() * tasks) as f64;
+        best = best.max(flops / start.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}
+
+/// Sums `x` with the widest loads `isa` has (four independent accumulators).
+fn sum(isa: Isa, x: &[f32]) -> f32 {
+    match isa.supported() {
+        // SAFETY: the CPU supports the instruction set.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::sum_avx512(x) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::sum_avx2(x) },
+        _ => unsafe { sum_with::<Soft<8>>(x) },
+    }
+}
+
+/// Runs the FMA chains of `isa` for `steps` steps and returns the flops done.
+fn fma_chains(isa: Isa, steps: usize) -> usize {
+    match isa.supported() {
+        // SAFETY: the CPU supports the instruction set.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::chains_avx512(steps) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::chains_avx2(steps) },
+        _ => unsafe { chains_with::<Soft<8>, 12>(steps) },
+    }
+}
+
+/// # Safety
+/// `V`'s instructions are supported.
+#[inline(always)]
+unsafe fn sum_with<V: Lanes>(x: &[f32]) -> f32 {
+    let w = V::WIDTH;
+    let one = [1.0f32; 16];
+    unsafe {
+        let one = V::load(one.as_ptr());
+        let mut acc = [V::zero(); 4];
+        let mut chunks = x.chunks_exact(4 * w);
+        for c in &mut chunks {
+            for (a, part) in acc.iter_mut().zip(c.chunks_exact(w)) {
+                *a = V::mul_add(V::load(part.as_ptr()), one, *a);
+            }
+        }
+        let mut lanes = [0f32; 16];
+        let mut total: f32 = chunks.remainder().iter().sum();
+        for a in acc {
+            a.store(lanes.as_mut_ptr());
+            total += lanes[..w].iter().sum::<f32>();
+        }
+        total
+    }
+}
+
+/// `N` independent chains `a ← a · m + c`, `steps` times; returns the flops done.
+///
+/// The chains start from different values and the multiplier passes through
+/// [`std::hint::black_box`], so the compiler can neither merge identical chains nor fold the
+/// loop (a C probe that skipped this measured FMA latency, not throughput).
+///
+/// # Safety
+/// `V`'s instructions are supported.
+#[inline(always)]
+unsafe fn chains_with<V: Lanes, const N: usize>(steps: usize) -> usize {
+    unsafe {
+        let m = std::hint::black_box([0.999_999f32; 16]);
+        let c = std::hint::black_box([1e-7f32; 16]);
+        let (m, c) = (V::load(m.as_ptr()), V::load(c.as_ptr()));
+        let mut acc = [V::zero(); N];
+        for (i, a) in acc.iter_mut().enumerate() {
+            let start = [i as f32; 16];
+            *a = V::load(start.as_ptr());
+        }
+        for _ in 0..steps / 64 {
+            for _ in 0..64 {
+                for a in acc.iter_mut() {
+                    *a = V::mul_add(*a, m, c);
+                }
+            }
+            acc = std::hint::black_box(acc);
+        }
+        std::hint::black_box(acc);
+        steps / 64 * 64 * N * V::WIDTH * 2
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{chains_with, sum_with};
+    use std::arch::x86_64::{__m256, __m512};
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn sum_avx2(x: &[f32]) -> f32 {
+        unsafe { sum_with::<__m256>(x) }
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn sum_avx512(x: &[f32]) -> f32 {
+        unsafe { sum_with::<__m512>(x) }
+    }
+
+    /// 12 chains of 8 lanes: enough to cover 2 FMA units × 4–5 cycles of latency.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn chains_avx2(steps: usize) -> usize {
+        unsafe { chains_with::<__m256, 12>(steps) }
+    }
+
+    /// 24 chains of 16 lanes.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn chains_avx512(steps: usize) -> usize {
+        unsafe { chains_with::<__m512, 24>(steps) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probes_return_plausible_figures() {
+        let pool = Pool::new(2);
+        let isa = Isa::detect();
+        assert!(read_bandwidth(&pool, isa, 8 << 20, 1) > 0.1);
+        assert!(fma_peak(&pool, isa, 1) > 0.1);
+        let r = Roofline {
+            isa,
+            threads: 2,
+            bandwidth_gb_s: 10.0,
+            fma_gflop_s: 100.0,
+        };
+        assert!((r.seconds(1e9, 1e9) - 0.1).abs() < 1e-12);
+        assert!((r.seconds(1e8, 1e11) - 1.0).abs() < 1e-12);
+        assert_eq!(r.bound(1e9, 1e9), "memory");
+        assert_eq!(r.bound(1e8, 1e11), "compute");
+    }
+}
