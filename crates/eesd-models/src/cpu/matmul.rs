@@ -227,7 +227,12 @@ unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>
     let rows = j1 - j0;
     let groups = rows.div_ceil(M);
     let (base, extra) = (rows / groups, rows % groups);
-    let mut scratch = [[0f32; 2 * PANEL]; MAX_PASS_ROWS];
+    // Only the first `rows` rows are used; zeroing all of them would memset 12 KiB per call,
+    // ~150 MB per decoded token.
+    let mut scratch = std::mem::MaybeUninit::<[[f32; 2 * PANEL]; MAX_PASS_ROWS]>::uninit();
+    let scratch = scratch.as_mut_ptr().cast::<[f32; 2 * PANEL]>();
+    // SAFETY: `rows ≤ MAX_PASS_ROWS` rows of the scratch are zeroed before use.
+    unsafe { std::ptr::write_bytes(scratch, 0, rows) };
     // The bytes after this tile's chunk: the rest of the panel(s), then the next panels.
     let chunk_lines = (CHUNK * PANEL * size_of::<E>()).div_ceil(LINE);
     let next_panels = end.min(q + 2 * P) - q;
@@ -255,7 +260,7 @@ unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>
                     lines: (g + 1) * chunk_lines / groups - g * chunk_lines / groups,
                     steps: i1 - i0,
                 };
-                let acc = scratch.as_mut_ptr().add(j - j0).cast::<f32>();
+                let acc = scratch.add(j - j0).cast::<f32>();
                 macro_rules! tile_of {
                     ($($r:literal)*) => {
                         match m {
@@ -272,8 +277,9 @@ unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>
         // Write the finished sums.
         let col0 = q * PANEL;
         let valid = (p.out - col0).min(P * PANEL);
-        for (r, row) in scratch.iter().enumerate().take(rows) {
-            std::ptr::copy_nonoverlapping(row.as_ptr(), p.y.add((j0 + r) * p.out + col0), valid);
+        for r in 0..rows {
+            let row = scratch.add(r).cast::<f32>();
+            std::ptr::copy_nonoverlapping(row, p.y.add((j0 + r) * p.out + col0), valid);
         }
     }
 }
