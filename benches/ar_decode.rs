@@ -1,16 +1,20 @@
 //! Greedy autoregressive decoding speed (tokens/s) per backend and weight dtype.
 //!
 //! ```text
-//! cargo bench --bench ar_decode -- [--backends flex,tch] [--dtypes f32,f16] [--max-new-tokens 128] [--json]
+//! cargo bench --bench ar_decode -- [--backends flex,tch] [--dtypes f32,f16,bf16] [--max-new-tokens 128] [--json]
 //! ```
 //! Prompts are the first questions of a few Spec-Bench categories, through the chat template.
-//! Each configuration runs every prompt once after one warm-up generation.
+//! Each configuration runs every prompt once after one warm-up generation. On the CPU backends
+//! the machine's roofline is measured in the same run (read bandwidth, FMA peak): each decoding
+//! step streams every weight once, so its limit is `weight bytes / bandwidth` (plus the KV
+//! cache read), and efficiency = that limit / the measured decoding time.
 
 use std::ops::ControlFlow;
 
 use anyhow::{Context, Result};
 use clap::Parser;
 use eesd::core::{Backend, GenerationConfig, Generator};
+use eesd::models::cpu::{Roofline, roofline};
 use eesd::models::{LoadOptions, LoadedModel, WeightDType, fetch};
 
 #[derive(Parser, Debug)]
@@ -19,8 +23,8 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "flex")]
     backends: Vec<Backend>,
     /// Weight dtypes to measure (f32, f16, bf16).
-    #[arg(long, value_delimiter = ',', default_value = "f32,f16")]
-    dtypes: Vec<String>,
+    #[arg(long, value_delimiter = ',', default_value = "f32,f16,bf16")]
+    dtypes: Vec<WeightDType>,
     /// New tokens per prompt.
     #[arg(long, default_value_t = 128)]
     max_new_tokens: usize,
@@ -42,18 +46,23 @@ const PROMPTS: [&str; 4] = [
 fn main() -> Result<()> {
     let args = Args::parse();
     let path = fetch::resolve_model(None)?;
+    let cpu = args
+        .backends
+        .iter()
+        .any(|b| matches!(b, Backend::Flex | Backend::Tch));
+    let machine = cpu.then(Roofline::measure);
+    if let (Some(m), false) = (&machine, args.json) {
+        println!("{m}");
+    }
     let mut results = Vec::new();
     for backend in &args.backends {
-        for dtype in &args.dtypes {
-            let wdt = match dtype.as_str() {
-                "f32" => WeightDType::F32,
-                "f16" => WeightDType::F16,
-                "bf16" => WeightDType::Bf16,
-                other => anyhow::bail!("unknown dtype {other}"),
-            };
+        let machine = machine
+            .as_ref()
+            .filter(|_| matches!(backend, Backend::Flex | Backend::Tch));
+        for &dtype in &args.dtypes {
             let device = backend.device()?;
             let options = LoadOptions {
-                dtype: wdt,
+                dtype,
                 context_length: Some(1024),
             };
             let lm = LoadedModel::load(&path, &device, &options).context("load")?;
@@ -69,27 +78,44 @@ fn main() -> Result<()> {
             };
             generator.generate(&warm, &warm_config, |_| ControlFlow::Continue(()))?;
             let (mut tokens, mut seconds, mut decode_seconds) = (0usize, 0f64, 0f64);
+            // The roofline time of the decoding steps (every token after the prefill's first).
+            let mut limit_seconds = 0f64;
             for p in PROMPTS {
                 let ids = lm.chat_prompt(p)?;
                 let out = generator.generate(&ids, &config, |_| ControlFlow::Continue(()))?;
                 tokens += out.stats.new_tokens;
                 seconds += out.stats.seconds;
                 decode_seconds += out.stats.seconds - out.stats.prefill_seconds;
+                if let Some(m) = machine {
+                    for past in ids.len()..ids.len() + out.stats.new_tokens.saturating_sub(1) {
+                        let cost = lm.model.forward_cost(1, past);
+                        limit_seconds += m.seconds(cost.bytes(), cost.flops);
+                    }
+                }
             }
-            let row = serde_json::json!({
-                "backend": backend.name(), "dtype": dtype, "new_tokens": tokens,
+            let decode_tps = (tokens - PROMPTS.len()) as f64 / decode_seconds;
+            let mut row = serde_json::json!({
+                "backend": backend.name(), "dtype": dtype.name(), "new_tokens": tokens,
                 "tokens_per_second": tokens as f64 / seconds,
-                "decode_tokens_per_second": (tokens - PROMPTS.len()) as f64 / decode_seconds,
+                "decode_tokens_per_second": decode_tps,
             });
+            let mut line = format!(
+                "{:>8} {:>5}: {:6.1} tokens/s overall, {:6.1} tokens/s decoding ({} tokens)",
+                backend.name(),
+                dtype.name(),
+                tokens as f64 / seconds,
+                decode_tps,
+                tokens
+            );
+            if machine.is_some() {
+                let efficiency = limit_seconds / decode_seconds;
+                let limit_tps = (tokens - PROMPTS.len()) as f64 / limit_seconds;
+                row["roofline_tokens_per_second"] = limit_tps.into();
+                row["efficiency"] = efficiency.into();
+                line += &format!(", roofline {limit_tps:6.1} tokens/s, efficiency {efficiency:.2}");
+            }
             if !args.json {
-                println!(
-                    "{:>8} {:>5}: {:6.1} tokens/s overall, {:6.1} tokens/s decoding ({} tokens)",
-                    backend.name(),
-                    dtype,
-                    row["tokens_per_second"].as_f64().unwrap_or(0.0),
-                    row["decode_tokens_per_second"].as_f64().unwrap_or(0.0),
-                    tokens
-                );
+                println!("{line}");
             }
             results.push(row);
         }
@@ -97,7 +123,10 @@ fn main() -> Result<()> {
     if args.json {
         println!(
             "{}",
-            serde_json::json!({ "model": path.display().to_string(), "results": results })
+            serde_json::json!({
+                "model": path.display().to_string(), "cpu": roofline::cpu_name(),
+                "machine": machine, "results": results,
+            })
         );
     }
     Ok(())

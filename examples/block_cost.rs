@@ -46,14 +46,7 @@ fn main() -> Result<()> {
     // The CPU roofline applies to the CPU backends only.
     let machine = matches!(args.device, Backend::Flex | Backend::Tch).then(Roofline::measure);
     if let (Some(m), false) = (&machine, args.json) {
-        println!(
-            "{} ({} threads, {}): read {:.1} GB/s, FMA peak {:.0} GFLOP/s",
-            roofline::cpu_name(),
-            m.threads,
-            m.isa.name(),
-            m.bandwidth_gb_s,
-            m.fma_gflop_s
-        );
+        println!("{m}");
     }
     let path = fetch::resolve_model(None)?;
     let mut rows = Vec::new();

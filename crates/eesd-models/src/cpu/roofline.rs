@@ -58,6 +58,21 @@ impl Roofline {
     }
 }
 
+/// One line for reports: the CPU, threads, ISA, bandwidth and peak.
+impl std::fmt::Display for Roofline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} ({} threads, {}): read {:.1} GB/s, FMA peak {:.0} GFLOP/s",
+            cpu_name(),
+            self.threads,
+            self.isa.name(),
+            self.bandwidth_gb_s,
+            self.fma_gflop_s
+        )
+    }
+}
+
 /// The CPU's model name (`/proc/cpuinfo` on Linux), for reports.
 pub fn cpu_name() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
