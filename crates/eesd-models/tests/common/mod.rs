@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use burn::tensor::Device;
-use eesd_models::{LoadOptions, LoadedModel, fetch};
+use eesd_models::{LoadOptions, LoadedModel, WeightDType, fetch};
 
 /// One golden entry.
 #[derive(serde::Deserialize, Debug)]
@@ -50,12 +50,21 @@ pub fn device() -> Device {
 
 /// The real model, loaded once per test binary.
 pub fn model() -> &'static LoadedModel {
-    static MODEL: OnceLock<LoadedModel> = OnceLock::new();
-    MODEL.get_or_init(|| {
+    model_in(WeightDType::F32)
+}
+
+/// The real model with weights in `dtype`, loaded once per test binary and dtype.
+pub fn model_in(dtype: WeightDType) -> &'static LoadedModel {
+    static MODELS: [OnceLock<LoadedModel>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    let slot = WeightDType::ALL
+        .iter()
+        .position(|&d| d == dtype)
+        .expect("a weight dtype");
+    MODELS[slot].get_or_init(|| {
         let path = fetch::resolve_model(None).expect("model file");
         let options = LoadOptions {
             context_length: Some(2048),
-            ..Default::default()
+            dtype,
         };
         LoadedModel::load(&path, &device(), &options).expect("load model")
     })
