@@ -12,9 +12,10 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use burn::tensor::{Tensor, TensorData};
-use burn_flex::{Flex, FlexTensor};
+use burn_flex::FlexTensor;
 
 use super::attention::{Heads, KvStore, attend};
+use super::flex::flex_f32;
 use super::packed::PackedWeight;
 use super::pool::Pool;
 use super::rows::{rms_norm, rope, silu_mul};
@@ -30,12 +31,6 @@ pub(crate) struct SeqRows<'a> {
     pub rows: Range<usize>,
     /// Its cache.
     pub cache: Option<&'a mut LayerCache>,
-}
-
-/// The flex storage of an f32 tensor, or `None` for any other tensor.
-fn flex_f32<const D: usize>(t: &Tensor<D>) -> Option<FlexTensor> {
-    let flex = t.clone().try_into_primitive::<Flex>().ok()?;
-    (flex.dtype() == burn::tensor::DType::F32).then_some(flex)
 }
 
 /// Runs `layer` (its attention half, and the MLP half when `mlp`) on `x: [t, hidden]` for the
@@ -63,13 +58,9 @@ pub(crate) fn forward(
     let (cos_t, sin_t) = rope.tables();
     let (cos_f, sin_f) = (flex_f32(cos_t)?, flex_f32(sin_t)?);
     let (cos, sin) = (cos_f.as_slice::<f32>()?, sin_f.as_slice::<f32>()?);
-    let x_flex = match x_flex.is_contiguous() {
-        true => x_flex,
-        false => x_flex.to_contiguous(),
-    };
     let mut rows = x_flex.as_slice::<f32>()?.to_vec();
     Some(
-        run(layer, &weights, &mut rows, cos, sin, seqs, limit).map(|()| {
+        run(layer, heads, &weights, &mut rows, cos, sin, seqs, limit).map(|()| {
             let [t, h] = x.dims();
             Tensor::from_data(TensorData::new(rows, [t, h]), &x.device())
         }),
@@ -127,8 +118,10 @@ fn sized(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
     &mut buffer[..len]
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run(
     layer: &DecoderLayer,
+    heads: Heads,
     w: &Weights,
     x: &mut [f32],
     cos: &[f32],
@@ -136,11 +129,6 @@ fn run(
     seqs: &mut [SeqRows<'_>],
     limit: usize,
 ) -> Result<()> {
-    let heads = Heads {
-        q: layer.num_heads,
-        kv: layer.num_kv_heads,
-        d: layer.head_dim,
-    };
     let (nh, nkv, d) = (heads.q, heads.kv, heads.d);
     let h = w.wo.out();
     let t = x.len() / h;

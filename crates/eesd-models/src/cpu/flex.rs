@@ -71,11 +71,23 @@ impl PackedCache {
     }
 }
 
-fn pack(flex: &FlexTensor, [out, k]: [usize; 2]) -> Option<PackedWeight> {
-    let flex = match flex.is_contiguous() {
-        true => flex.clone(),
+/// The flex storage of an f32 tensor in row-major order, or `None` for any other tensor
+/// (another backend, autodiff, another dtype).
+pub(crate) fn flex_f32<const D: usize>(t: &Tensor<D>) -> Option<FlexTensor> {
+    let flex = t.clone().try_into_primitive::<Flex>().ok()?;
+    (flex.dtype() == DType::F32).then(|| contiguous(flex))
+}
+
+/// `flex` in row-major order (itself when it already is).
+fn contiguous(flex: FlexTensor) -> FlexTensor {
+    match flex.is_contiguous() {
+        true => flex,
         false => flex.to_contiguous(),
-    };
+    }
+}
+
+fn pack(flex: &FlexTensor, [out, k]: [usize; 2]) -> Option<PackedWeight> {
+    let flex = contiguous(flex.clone());
     Some(match flex.dtype() {
         DType::F32 => PackedWeight::F32(PackedMatrix::pack(flex.as_slice::<f32>()?, out, k).ok()?),
         DType::F16 => PackedWeight::F16(PackedMatrix::pack(flex.as_slice::<f16>()?, out, k).ok()?),
@@ -91,15 +103,11 @@ fn pack(flex: &FlexTensor, [out, k]: [usize; 2]) -> Option<PackedWeight> {
 pub fn packed_linear(x: &Tensor<2>, w: &Tensor<2>, cache: &PackedCache) -> Option<Tensor<2>> {
     let [b, k] = x.dims();
     let [out, k_w] = w.dims();
-    if k != k_w || x.dtype() != DType::F32 {
+    if k != k_w {
         return None;
     }
-    let x_flex = x.clone().try_into_primitive::<Flex>().ok()?;
+    let x_flex = flex_f32(x)?;
     let packed = cache.get(w)?;
-    let x_flex = match x_flex.is_contiguous() {
-        true => x_flex,
-        false => x_flex.to_contiguous(),
-    };
     let y = packed.matmul_to_vec(x_flex.as_slice::<f32>()?).ok()?;
     Some(Tensor::from_data(TensorData::new(y, [b, out]), &x.device()))
 }

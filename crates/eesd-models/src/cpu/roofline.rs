@@ -45,16 +45,26 @@ impl Roofline {
     /// The least time (seconds) in which this machine can read `bytes` from memory and do
     /// `flops` floating-point operations, overlapping the two perfectly.
     pub fn seconds(&self, bytes: f64, flops: f64) -> f64 {
-        (bytes / (self.bandwidth_gb_s * 1e9)).max(flops / (self.fma_gflop_s * 1e9))
+        let (memory, compute) = self.times(bytes, flops);
+        memory.max(compute)
     }
 
     /// Which limit binds for `bytes` and `flops`: `"memory"` or `"compute"`.
     pub fn bound(&self, bytes: f64, flops: f64) -> &'static str {
-        if bytes / self.bandwidth_gb_s >= flops / self.fma_gflop_s {
+        let (memory, compute) = self.times(bytes, flops);
+        if memory >= compute {
             "memory"
         } else {
             "compute"
         }
+    }
+
+    /// Seconds to read `bytes` and, separately, to do `flops`.
+    fn times(&self, bytes: f64, flops: f64) -> (f64, f64) {
+        (
+            bytes / (self.bandwidth_gb_s * 1e9),
+            flops / (self.fma_gflop_s * 1e9),
+        )
     }
 }
 
