@@ -4,9 +4,10 @@
 //! token. Sampling (Leviathan et al. / Chen et al.): accept draft `x` with probability
 //! `min(1, p(x)/q(x))`; at the first rejection draw from `normalize(max(0, p − q))`; when every draft
 //! is accepted draw the bonus token from the last `p`. Each emitted token is then distributed
-//! exactly as autoregressive sampling from `p` would draw it.
+//! exactly as autoregressive sampling from `p` would draw it. Trees: [`accept_tree`].
 
 use crate::sampling::{Sampler, argmax};
+use crate::tree::DraftTree;
 
 /// The verdict on one drafted block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,5 +66,39 @@ pub fn accept_sampling(
     Verdict {
         accepted: drafts.len(),
         next: sampler.categorical(&target_probs[drafts.len()]) as u32,
+    }
+}
+
+/// The verdict on a verified tree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TreeVerdict {
+    /// Accepted nodes, root to leaf (a path of the tree; empty when no draft was accepted).
+    pub path: Vec<usize>,
+    /// The token the target adds after them.
+    pub next: u32,
+}
+
+/// Walks a verified tree from the root: `choose(row)` is the target's token at a block row (row
+/// 0 the root, row `i + 1` node `i`); the walk descends into the child carrying it and stops at
+/// the first row with no such child, whose token becomes [`TreeVerdict::next`].
+///
+/// With `choose` = argmax this is greedy verification (the longest path of argmax matches).
+/// With `choose` = a draw from the target distribution at that row it is lossless sampling for
+/// trees of *deterministic* drafts (Token Recycling, lookup, top-k heads): each emitted token is
+/// drawn from the target distribution of its own context, exactly as AR would draw it, and a
+/// draft is accepted exactly when the draw hits it (the best any rule can do for drafts that
+/// carry no draft distribution).
+pub fn accept_tree(tree: &DraftTree, mut choose: impl FnMut(usize) -> u32) -> TreeVerdict {
+    let mut path = Vec::new();
+    let mut row = 0;
+    loop {
+        let token = choose(row);
+        match tree.child(path.last().copied(), token) {
+            Some(node) => {
+                path.push(node);
+                row = node + 1;
+            }
+            None => return TreeVerdict { path, next: token },
+        }
     }
 }

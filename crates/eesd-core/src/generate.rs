@@ -19,6 +19,9 @@ pub enum Mode {
     /// Early-exiting speculative decoding: draft through the first N layers and an exit head,
     /// verify the block through the remaining layers.
     Eesd,
+    /// Tree speculation: a [`crate::Drafter`] proposes a token tree, the full model verifies it
+    /// in one pass with tree attention, and the longest matching path is kept.
+    Tree,
 }
 
 impl std::str::FromStr for Mode {
@@ -27,8 +30,9 @@ impl std::str::FromStr for Mode {
         match s {
             "ar" => Ok(Mode::Ar),
             "eesd" => Ok(Mode::Eesd),
+            "tree" => Ok(Mode::Tree),
             _ => Err(CoreError::InvalidConfig(format!(
-                "unknown mode `{s}` (expected ar or eesd)"
+                "unknown mode `{s}` (expected ar, eesd or tree)"
             ))),
         }
     }
@@ -53,6 +57,13 @@ pub struct GenerationConfig {
     /// Exit layer N for EESD; `None` uses the head's own layer (required for heads that work
     /// after any layer).
     pub exit_layer: Option<usize>,
+    /// Most drafted nodes verified per round in [`Mode::Tree`].
+    #[serde(default = "default_tree_budget")]
+    pub tree_budget: usize,
+}
+
+fn default_tree_budget() -> usize {
+    16
 }
 
 impl Default for GenerationConfig {
@@ -65,6 +76,7 @@ impl Default for GenerationConfig {
             seed: 0,
             mode: Mode::Ar,
             exit_layer: None,
+            tree_budget: default_tree_budget(),
         }
     }
 }

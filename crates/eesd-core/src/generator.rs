@@ -6,13 +6,15 @@ use std::time::Instant;
 use burn::tensor::Tensor;
 use eesd_bandit::{Decision, DraftPolicy, DraftStep, Policy, RoundOutcome};
 
-use crate::accept::{Verdict, accept_greedy, accept_sampling};
+use crate::accept::{Verdict, accept_greedy, accept_sampling, accept_tree};
+use crate::drafter::{Drafter, top_k};
 use crate::error::{CoreError, Result};
 use crate::generate::{
     Detokenizer, Emitter, GenerationConfig, GenerationOutput, GenerationStats, Mode, StopReason,
 };
 use crate::model::{DraftHead, DraftLogits, LayeredModel};
 use crate::sampling::{Sampler, SamplingParams, argmax};
+use crate::tree::DraftTree;
 
 /// The head type of a generator without an exit head (AR only). It has no values.
 #[derive(Debug, Clone, Copy)]
@@ -50,6 +52,7 @@ pub struct Generator<'a, M: LayeredModel, H: DraftHead<M> = NoHead> {
     model: &'a M,
     head: Option<&'a H>,
     policy: Box<dyn DraftPolicy + 'a>,
+    drafter: Option<Box<dyn Drafter + 'a>>,
     detokenize: Option<Box<Detokenizer<'a>>>,
 }
 
@@ -61,6 +64,7 @@ impl<'a, M: LayeredModel> Generator<'a, M, NoHead> {
             model,
             head: None,
             policy,
+            drafter: None,
             detokenize: None,
         }
     }
@@ -96,8 +100,21 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
             model: self.model,
             head: Some(head),
             policy: self.policy,
+            drafter: self.drafter,
             detokenize: self.detokenize,
         }
+    }
+
+    /// Sets the drafter of [`Mode::Tree`]. It lives as long as the generator, so what it learns
+    /// (Token Recycling's matrix) carries over from one prompt to the next.
+    pub fn with_drafter(mut self, drafter: impl Drafter + 'a) -> Self {
+        self.drafter = Some(Box::new(drafter));
+        self
+    }
+
+    /// The drafter of [`Mode::Tree`], if one is set.
+    pub fn drafter(&self) -> Option<&(dyn Drafter + 'a)> {
+        self.drafter.as_deref()
     }
 
     /// Sets the draft-length policy (default: Beta-TS).
@@ -191,6 +208,13 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
                 }
                 stats.policy = Some(self.policy.name());
                 self.run_eesd(head, exit, prompt, config, emitter, &mut stats)?
+            }
+            Mode::Tree => {
+                let drafter = self.drafter.as_deref_mut().ok_or_else(|| {
+                    CoreError::InvalidConfig("tree speculation needs a drafter".into())
+                })?;
+                stats.policy = Some(drafter.name());
+                run_tree(self.model, drafter, prompt, config, emitter, &mut stats)?
             }
         };
         stats.new_tokens = tokens.len();
@@ -407,6 +431,112 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
         };
         Ok((out.tokens, reason))
     }
+}
+
+/// Tree speculation: each round the drafter proposes a tree after the last committed token
+/// (the root), the whole model verifies root and tree in one pass with tree attention, the
+/// accepted path stays in the cache and the drafter observes every verified row.
+fn run_tree<M: LayeredModel, F: FnMut(&[u32]) -> ControlFlow<()>>(
+    m: &M,
+    drafter: &mut dyn Drafter,
+    prompt: &[u32],
+    config: &GenerationConfig,
+    mut out: Emitter<'_, F>,
+    stats: &mut GenerationStats,
+) -> Result<(Vec<u32>, StopReason)> {
+    let all = 0..m.num_layers();
+    let (limit, vocab) = (m.context_length(), m.vocab_size());
+    let params = config.sampling;
+    let wanted = drafter.candidates_wanted();
+    let mut sampler = Sampler::new(config.seed);
+    let mut cache = m.new_cache();
+    let start = Instant::now();
+    let p = prompt.len();
+    if p > 1 {
+        let h = m
+            .forward_layers(
+                m.embed(&prompt[..p - 1]).map_err(model_err)?,
+                all.clone(),
+                &mut cache,
+            )
+            .map_err(model_err)?;
+        if wanted > 0 {
+            // What the target expects after each prompt token seeds the drafter.
+            let logits = rows(host(m.logits(h))?, vocab);
+            for (&token, row) in prompt.iter().zip(&logits) {
+                drafter.observe(token, &top_k(row, wanted));
+            }
+        }
+    }
+    stats.prefill_seconds = start.elapsed().as_secs_f64();
+
+    let mut context = prompt.to_vec();
+    let reason = loop {
+        // The root (the last committed token) is not cached yet: it is row 0 of the block.
+        let first = context.len() - 1;
+        if out.remaining() == 0 {
+            break StopReason::MaxTokens;
+        }
+        if first >= limit {
+            break StopReason::ContextFull;
+        }
+        let draft_start = Instant::now();
+        let budget = config.tree_budget.min(limit - first - 1);
+        let mut tree = DraftTree::new();
+        tree.merge(&drafter.propose(&context, budget), budget);
+        // Nodes deeper than the tokens still allowed could never be emitted.
+        if tree.max_depth() >= out.remaining() {
+            tree = tree.limit_depth(out.remaining() - 1);
+        }
+        if let Some(&t) = tree.tokens().iter().find(|&&t| t as usize >= vocab) {
+            return Err(CoreError::InvalidConfig(format!(
+                "drafter {} proposed token {t} outside the vocabulary of {vocab}",
+                drafter.name()
+            )));
+        }
+        let draft_seconds = draft_start.elapsed().as_secs_f64();
+
+        let verify_start = Instant::now();
+        let mut tokens = vec![context[first]];
+        tokens.extend_from_slice(tree.tokens());
+        let h = m
+            .forward_tree(
+                m.embed(&tokens).map_err(model_err)?,
+                all.clone(),
+                &mut cache,
+                &tree.mask(),
+            )
+            .map_err(model_err)?;
+        let target = rows(host(m.logits(h))?, vocab);
+        let verdict = match params.is_greedy() {
+            true => accept_tree(&tree, |row| argmax(&target[row]) as u32),
+            false => accept_tree(&tree, |row| sampler.sample(&target[row], &params)),
+        };
+        let kept: Vec<usize> = std::iter::once(0)
+            .chain(verdict.path.iter().map(|n| n + 1))
+            .collect();
+        m.keep_rows(&mut cache, all.clone(), first, &kept)
+            .map_err(model_err)?;
+        let verify_seconds = verify_start.elapsed().as_secs_f64();
+
+        let observe_start = Instant::now();
+        if wanted > 0 {
+            for (&token, row) in tokens.iter().zip(&target) {
+                drafter.observe(token, &top_k(row, wanted));
+            }
+        }
+        stats.draft_seconds += draft_seconds + observe_start.elapsed().as_secs_f64();
+        stats.verify_seconds += verify_seconds;
+        stats.record_round(tree.len(), verdict.path.len());
+
+        let mut block: Vec<u32> = verdict.path.iter().map(|&n| tree.tokens()[n]).collect();
+        block.push(verdict.next);
+        if let Some(reason) = out.emit(&block) {
+            break reason;
+        }
+        context.extend_from_slice(&block);
+    };
+    Ok((out.tokens, reason))
 }
 
 /// One token through layers `[0, N)`: its layer-N hidden state, with the lower caches advanced.

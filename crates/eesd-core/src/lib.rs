@@ -4,7 +4,9 @@
 //!   and [`DraftHead`] (exit heads).
 //! - [`Generator`]: AR and EESD decoding behind one API ([`GenerationConfig`],
 //!   [`GenerationOutput`], streaming callback).
-//! - [`accept`]: the verification rules (greedy prefix match, speculative sampling).
+//! - [`accept`]: the verification rules (greedy prefix match, speculative sampling, trees).
+//! - [`Drafter`], [`drafters`] and [`tree`]: draft trees from Token Recycling, context lookup
+//!   and their fusion, verified in one pass.
 //! - [`sampling`]: temperature / top-k / top-p distributions and a seeded sampler.
 //! - [`backend`]: picking a burn device by name (`flex`, `tch`, `tch-cuda`, `cuda`).
 
@@ -12,17 +14,22 @@
 
 pub mod accept;
 pub mod backend;
+pub mod drafter;
+pub mod drafters;
 pub mod error;
 pub mod generate;
 pub mod generator;
 pub mod model;
 pub mod sampling;
+pub mod tree;
 
 pub use backend::Backend;
 pub use burn::tensor::Device;
+pub use drafter::Drafter;
 pub use eesd_bandit as bandit;
 pub use error::{CoreError, Result};
 pub use generate::{GenerationConfig, GenerationOutput, GenerationStats, Mode, StopReason};
 pub use generator::{Generator, NoHead};
 pub use model::{DraftHead, DraftLogits, LayeredModel};
 pub use sampling::{Sampler, SamplingParams, argmax};
+pub use tree::{DraftTree, TreeMask};

@@ -9,6 +9,8 @@ use std::sync::Arc;
 
 use burn::tensor::Tensor;
 
+use crate::tree::TreeMask;
+
 /// A decoder whose layers can be run in ranges, with a per-layer cache that truncates in O(1).
 pub trait LayeredModel {
     /// Per-sequence KV cache of all layers; each layer keeps its own length.
@@ -35,6 +37,27 @@ pub trait LayeredModel {
         layers: Range<usize>,
         cache: &mut Self::Cache,
     ) -> Result<Tensor<2>, Self::Error>;
+    /// Runs `layers` on a tree block `hidden: [tree.rows(), hidden]` (row 0 the root): row `r`
+    /// takes position `cached + depth(r)` and attends to the cached positions and to its
+    /// ancestors' rows only, so each row sees what it would see had its path been decoded.
+    /// All rows are appended to those layers' caches; [`LayeredModel::keep_rows`] then keeps
+    /// the accepted path.
+    fn forward_tree(
+        &self,
+        hidden: Tensor<2>,
+        layers: Range<usize>,
+        cache: &mut Self::Cache,
+        tree: &TreeMask,
+    ) -> Result<Tensor<2>, Self::Error>;
+    /// In `layers`, keeps of the positions from `first` on only `first + rows[i]` (strictly
+    /// ascending), moved to `first + i`, and forgets the rest.
+    fn keep_rows(
+        &self,
+        cache: &mut Self::Cache,
+        layers: Range<usize>,
+        first: usize,
+        rows: &[usize],
+    ) -> Result<(), Self::Error>;
     /// Final norm + LM head: `[t, hidden]` → logits `[t, vocab]`.
     fn logits(&self, hidden: Tensor<2>) -> Tensor<2>;
     /// Forgets positions `len..` in `layers`.

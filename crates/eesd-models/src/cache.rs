@@ -9,7 +9,7 @@
 //! flex, in a host [`KvStore`]; a cache converts itself when the other kind of
 //! forward pass uses it, so the two never disagree.
 
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 
 use crate::cpu::attention::KvStore;
 use crate::error::{ModelError, Result};
@@ -60,6 +60,40 @@ impl LayerCache {
     /// Forgets every position from `len` on. O(1): the buffers are kept and overwritten later.
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
+    }
+
+    /// Keeps, of the positions from `first` on, only `first + rows[i]` (strictly ascending),
+    /// moved to `first + i`: the accepted path of a verified tree. O(kept positions).
+    pub fn keep(&mut self, first: usize, rows: &[usize]) -> Result<()> {
+        let ascending = rows.windows(2).all(|w| w[0] < w[1]);
+        if !ascending || rows.last().is_some_and(|&r| first + r >= self.len) {
+            return Err(ModelError::InvalidArgument(format!(
+                "keep rows {rows:?} after position {first} of a cache of {}",
+                self.len
+            )));
+        }
+        let moved = rows.iter().enumerate().any(|(i, &r)| r != i);
+        match &mut self.store {
+            Store::Host(host) if moved => {
+                for (i, &r) in rows.iter().enumerate() {
+                    host.copy_position(first + r, first + i);
+                }
+            }
+            Store::Tensors(kv) if moved => {
+                let (k, v) = &mut **kv;
+                let [heads, _, dim] = k.dims();
+                let ids: Vec<i32> = rows.iter().map(|&r| (first + r) as i32).collect();
+                let device = k.device();
+                let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [rows.len()]), &device);
+                let range = [0..heads, first..first + rows.len(), 0..dim];
+                let pick = |t: &Tensor<3>| t.clone().select(1, ids.clone());
+                *k = k.clone().slice_assign(range.clone(), pick(k));
+                *v = v.clone().slice_assign(range, pick(v));
+            }
+            _ => {}
+        }
+        self.len = first + rows.len();
+        Ok(())
     }
 
     /// Appends `k, v: [kv_heads, t, head_dim]` and returns views of all cached keys and values.
@@ -220,6 +254,19 @@ impl KvCache {
     /// Truncates every layer to at most `len` positions.
     pub fn truncate(&mut self, len: usize) {
         self.layers.iter_mut().for_each(|l| l.truncate(len));
+    }
+
+    /// [`LayerCache::keep`] on the layers in `range`.
+    pub fn keep_layers(
+        &mut self,
+        range: std::ops::Range<usize>,
+        first: usize,
+        rows: &[usize],
+    ) -> Result<()> {
+        for l in self.layers.iter_mut().take(range.end).skip(range.start) {
+            l.keep(first, rows)?;
+        }
+        Ok(())
     }
 
     /// Truncates the layers in `range` to at most `len` positions.

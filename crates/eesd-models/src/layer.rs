@@ -8,7 +8,10 @@ use burn::module::{Module, Param};
 use burn::tensor::activation::{silu, softmax};
 use std::ops::Range;
 
-use burn::tensor::{Bool, DType, Device, FloatDType, Tensor};
+use std::sync::Arc;
+
+use burn::tensor::{Bool, DType, Device, FloatDType, Tensor, TensorData};
+use eesd_core::TreeMask;
 
 use crate::cache::LayerCache;
 use crate::config::LlamaConfig;
@@ -71,6 +74,9 @@ pub struct AttentionContext {
     /// The independent sequences of the block, in row order: one for an ordinary call, several
     /// for a packed training block (see [`AttentionContext::packed`]).
     pub segments: Vec<Segment>,
+    /// The tree layout of a single-sequence block (see [`AttentionContext::tree`]); `None`
+    /// for causal blocks.
+    pub tree: Option<Arc<TreeMask>>,
 }
 
 /// One sequence's rows of a block and its causal mask.
@@ -92,6 +98,37 @@ impl AttentionContext {
             cos,
             sin,
             segments: vec![Segment { rows: 0..t, mask }],
+            tree: None,
+        }
+    }
+
+    /// The context of a tree block after `past` cached positions: row `r` sits at position
+    /// `past + depth(r)` and attends to the cache and to its ancestors (itself included).
+    pub fn tree(rope: &Rope, config: &LlamaConfig, past: usize, tree: Arc<TreeMask>) -> Self {
+        let t = tree.rows();
+        let positions: Vec<usize> = tree.depths().iter().map(|d| past + d).collect();
+        let (cos, sin) = rope.gather(&positions);
+        let (kv_heads, group) = head_groups(config);
+        let device = cos.device();
+        let mask = (t > 1).then(|| {
+            let mut masked = vec![false; t * (past + t)];
+            for r in 0..t {
+                let row = &mut masked[r * (past + t) + past..(r + 1) * (past + t)];
+                row.fill(true);
+                for &a in tree.ancestors(r) {
+                    row[a] = false;
+                }
+            }
+            Tensor::<2, Bool>::from_data(TensorData::new(masked, [t, past + t]), &device)
+                .repeat_dim(0, group)
+                .unsqueeze_dim::<3>(0)
+                .repeat_dim(0, kv_heads)
+        });
+        AttentionContext {
+            cos,
+            sin,
+            segments: vec![Segment { rows: 0..t, mask }],
+            tree: Some(tree),
         }
     }
 
@@ -135,6 +172,7 @@ impl AttentionContext {
             cos: Tensor::cat(cos, 1),
             sin: Tensor::cat(sin, 1),
             segments,
+            tree: None,
         })
     }
 
@@ -252,12 +290,14 @@ impl DecoderLayer {
                 ([seg], cache) => vec![SeqRows {
                     rows: seg.rows.clone(),
                     cache,
+                    tree: ctx.tree.as_deref(),
                 }],
                 (segs, None) => segs
                     .iter()
                     .map(|seg| SeqRows {
                         rows: seg.rows.clone(),
                         cache: None,
+                        tree: None,
                     })
                     .collect(),
                 // A packed block with a cache: burn's path reports the error.
@@ -317,6 +357,7 @@ impl DecoderLayer {
                 .map(|(s, cache)| SeqRows {
                     rows: s..s + 1,
                     cache: Some(&mut **cache),
+                    tree: None,
                 })
                 .collect();
             if let Some(y) = forward(self, &x, rope, &mut seqs, limit, true) {

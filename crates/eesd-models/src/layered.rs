@@ -3,7 +3,7 @@
 use std::ops::Range;
 
 use burn::tensor::Tensor;
-use eesd_core::LayeredModel;
+use eesd_core::{LayeredModel, TreeMask};
 
 use crate::cache::KvCache;
 use crate::error::{ModelError, Result};
@@ -44,6 +44,26 @@ impl LayeredModel for Llama {
         cache: &mut KvCache,
     ) -> Result<Tensor<2>> {
         Llama::forward_layers(self, hidden, layers, cache)
+    }
+
+    fn forward_tree(
+        &self,
+        hidden: Tensor<2>,
+        layers: Range<usize>,
+        cache: &mut KvCache,
+        tree: &TreeMask,
+    ) -> Result<Tensor<2>> {
+        Llama::forward_tree(self, hidden, layers, cache, tree)
+    }
+
+    fn keep_rows(
+        &self,
+        cache: &mut KvCache,
+        layers: Range<usize>,
+        first: usize,
+        rows: &[usize],
+    ) -> Result<()> {
+        cache.keep_layers(layers, first, rows)
     }
 
     fn logits(&self, hidden: Tensor<2>) -> Tensor<2> {

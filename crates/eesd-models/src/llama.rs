@@ -1,9 +1,11 @@
 //! The LLaMA model with an early-exit seam: embed, run any range of layers, project to logits.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use burn::module::Param;
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use eesd_core::TreeMask;
 
 use crate::cache::{KvCache, LayerCache};
 use crate::config::LlamaConfig;
@@ -293,6 +295,41 @@ impl Llama {
         range: Range<usize>,
         cache: &mut KvCache,
     ) -> Result<Tensor<2>> {
+        let [t, _] = hidden.dims();
+        let past = self.check_block(&range, cache, t)?;
+        let ctx = AttentionContext::for_config(&self.rope, &self.config, past, t);
+        self.run_layers(hidden, range, cache, &ctx)
+    }
+
+    /// Runs layers `range` on a tree block `hidden: [tree.rows(), hidden]` (row 0 the root):
+    /// row `r` takes position `cached + depth(r)` and attends to the cached positions and its
+    /// ancestors only. Every row is appended to the caches (slot `cached + r`); keep the
+    /// accepted path with [`KvCache::keep_layers`]. Each row's output equals, bit for bit on
+    /// flex, what a causal block holding only its path would give.
+    pub fn forward_tree(
+        &self,
+        hidden: Tensor<2>,
+        range: Range<usize>,
+        cache: &mut KvCache,
+        tree: &TreeMask,
+    ) -> Result<Tensor<2>> {
+        let [t, _] = hidden.dims();
+        if tree.rows() != t {
+            return Err(ModelError::InvalidArgument(format!(
+                "a tree of {} rows for a block of {t}",
+                tree.rows()
+            )));
+        }
+        if tree.is_chain() {
+            return self.forward_layers(hidden, range, cache);
+        }
+        let past = self.check_block(&range, cache, t)?;
+        let ctx = AttentionContext::tree(&self.rope, &self.config, past, Arc::new(tree.clone()));
+        self.run_layers(hidden, range, cache, &ctx)
+    }
+
+    /// Checks a block of `t` rows for layers `range` and returns the cached length they share.
+    fn check_block(&self, range: &Range<usize>, cache: &KvCache, t: usize) -> Result<usize> {
         if range.start >= range.end
             || range.end > self.layers.len()
             || cache.num_layers() != self.layers.len()
@@ -311,7 +348,6 @@ impl Llama {
                 range.start
             )));
         }
-        let [t, _] = hidden.dims();
         let limit = self.config.context_length;
         if past + t > limit {
             return Err(ModelError::ContextOverflow {
@@ -319,11 +355,21 @@ impl Llama {
                 limit,
             });
         }
-        let ctx = AttentionContext::for_config(&self.rope, &self.config, past, t);
+        Ok(past)
+    }
+
+    fn run_layers(
+        &self,
+        hidden: Tensor<2>,
+        range: Range<usize>,
+        cache: &mut KvCache,
+        ctx: &AttentionContext,
+    ) -> Result<Tensor<2>> {
+        let limit = self.config.context_length;
         let mut x = hidden;
         for i in range {
             let layer_cache = cache.layer_mut(i);
-            x = self.layers[i].forward(x, &self.rope, &ctx, layer_cache, limit)?;
+            x = self.layers[i].forward(x, &self.rope, ctx, layer_cache, limit)?;
         }
         Ok(x)
     }

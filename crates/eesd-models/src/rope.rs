@@ -4,7 +4,7 @@
 //! un-permutes them (see [`crate::weights`]) so that one implementation serves both formats.
 //! Rotate-half needs only two contiguous slices per call, which is cheaper than de-interleaving.
 
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 
 use crate::config::LlamaConfig;
 
@@ -88,6 +88,16 @@ impl Rope {
         let cos = self.cos.clone().narrow(0, start, len).unsqueeze_dim(0);
         let sin = self.sin.clone().narrow(0, start, len).unsqueeze_dim(0);
         (cos, sin)
+    }
+
+    /// The `(cos, sin)` rows for arbitrary `positions` (a tree block's depths), shaped
+    /// `[1, positions.len(), head_dim]`.
+    pub fn gather(&self, positions: &[usize]) -> (Tensor<3>, Tensor<3>) {
+        let ids: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        let device = self.cos.device();
+        let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [positions.len()]), &device);
+        let pick = |t: &Tensor<2>| t.clone().select(0, ids.clone()).unsqueeze_dim(0);
+        (pick(&self.cos), pick(&self.sin))
     }
 
     /// Rotates `x: [heads, len, head_dim]` with tables from [`Rope::slice`].

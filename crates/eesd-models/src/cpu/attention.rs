@@ -15,6 +15,7 @@ use super::isa::Isa;
 use super::lanes::{Lanes, Soft};
 use super::pool::{Disjoint, Pool};
 use super::rows::{exp, max, sum};
+use eesd_core::TreeMask;
 
 /// Positions per key block (the f32 lanes of one AVX2 register).
 const BLOCK: usize = 8;
@@ -95,6 +96,17 @@ impl KvStore {
         }
     }
 
+    /// Copies position `from`'s keys and values to position `to` (both below the capacity).
+    pub fn copy_position(&mut self, from: usize, to: usize) {
+        let width = self.kv_heads * self.d;
+        self.v
+            .copy_within(from * width..(from + 1) * width, to * width);
+        let (fb, tb) = (from / BLOCK * width * BLOCK, to / BLOCK * width * BLOCK);
+        for c in 0..width {
+            self.k[tb + c * BLOCK + to % BLOCK] = self.k[fb + c * BLOCK + from % BLOCK];
+        }
+    }
+
     /// The first `len` positions as `[position][kv_head][d]` rows: `(keys, values)`.
     pub fn rows(&self, len: usize) -> (Vec<f32>, Vec<f32>) {
         let width = self.kv_heads * self.d;
@@ -125,12 +137,20 @@ impl KvStore {
 /// heads at the start of rows `q_stride` apart, `out` rows are `heads.q · d` wide. `kv` must
 /// hold at least `first + rows` positions and `heads` must be [`Heads::supported`] and match
 /// the store.
+///
+/// Without `tree`, row `r` attends to positions `0..=first + r` (a causal block). With it, row
+/// `r` attends to `0..first` and to the block rows [`TreeMask::ancestors`] names: its scores
+/// are computed as in the causal case and then compacted to those positions, and the value
+/// sum runs over them in the same order, so the row gets the bits it would get in a causal
+/// block holding only its path.
+#[allow(clippy::too_many_arguments)]
 pub fn attend(
     q: &[f32],
     q_stride: usize,
     kv: &KvStore,
     first: usize,
     heads: Heads,
+    tree: Option<&TreeMask>,
     out: &mut [f32],
     pool: &Pool,
 ) {
@@ -138,6 +158,7 @@ pub fn attend(
     let rows = out.len() / (nh * d);
     debug_assert!(heads.supported() && kv.shape() == (nkv, d));
     debug_assert!(kv.capacity() >= first + rows && q.len() >= (rows - 1) * q_stride + nh * d);
+    debug_assert!(tree.is_none_or(|t| t.rows() == rows));
     let group = nh / nkv;
     let span = group * d;
     let isa = Isa::detect();
@@ -152,7 +173,9 @@ pub fn attend(
                 q: &q[r * q_stride + g * span..][..span],
                 kv,
                 head: g,
+                first,
                 positions: n,
+                tree_rows: tree.map(|t| t.ancestors(r)),
             };
             // SAFETY: task (r, g) writes only row r's query heads of group g.
             let os = unsafe { out_ptr.slice(r * nh * d + g * span, span) };
@@ -166,12 +189,15 @@ thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// The query heads of one row that share kv head `head`, over its first `positions` positions.
+/// The query heads of one row that share kv head `head`, over its first `positions` positions
+/// (or, with `tree_rows`, over `0..first` and the block rows named there).
 struct Group<'a> {
     q: &'a [f32],
     kv: &'a KvStore,
     head: usize,
+    first: usize,
     positions: usize,
+    tree_rows: Option<&'a [usize]>,
 }
 
 fn group_for(isa: Isa, job: &Group<'_>, scores: &mut [f32], out: &mut [f32]) {
@@ -245,10 +271,25 @@ unsafe fn group<V: Lanes, const G: usize, const T: usize, const C: usize>(
             score_tile::<V, G, 1>(job.q.as_ptr(), d, keys, block_stride, block, sp, padded);
             block += 1;
         }
-        // Softmax per head over the first n positions (unnormalised; the sum divides at the end).
+        // A tree row keeps the scores of its ancestors only, in order: positions
+        // first..first + tree_rows.len() then stand for the rows listed there.
+        let (n, tail) = match job.tree_rows {
+            Some(rows) => {
+                for h in 0..G {
+                    let s = &mut scores[h * padded..];
+                    for (j, &row) in rows.iter().enumerate() {
+                        s[job.first + j] = s[job.first + row];
+                    }
+                }
+                (job.first, rows)
+            }
+            None => (n, &[][..]),
+        };
+        let used = n + tail.len();
+        // Softmax per head over the used positions (unnormalised; the sum divides at the end).
         let mut inv = [0f32; G];
         for (h, inv) in inv.iter_mut().enumerate() {
-            let s = &mut scores[h * padded..h * padded + n];
+            let s = &mut scores[h * padded..h * padded + used];
             for x in s.iter_mut() {
                 *x *= scale;
             }
@@ -262,13 +303,21 @@ unsafe fn group<V: Lanes, const G: usize, const T: usize, const C: usize>(
         let values = job.kv.v.as_ptr().add(job.head * d);
         let (width, op) = (heads * d, out.as_mut_ptr());
         let cols = d / BLOCK;
+        let sums = ValueSums {
+            probs: scores.as_ptr(),
+            padded,
+            contiguous: n,
+            tail,
+            values,
+            width,
+        };
         let mut col = 0;
         while col + C <= cols {
-            value_tile::<V, G, C>(scores.as_ptr(), padded, n, values, width, col, op, d);
+            value_tile::<V, G, C>(&sums, col, op, d);
             col += C;
         }
         while col < cols {
-            value_tile::<V, G, 1>(scores.as_ptr(), padded, n, values, width, col, op, d);
+            value_tile::<V, G, 1>(&sums, col, op, d);
             col += 1;
         }
         for (h, inv) in inv.iter().enumerate() {
@@ -315,36 +364,63 @@ unsafe fn score_tile<V: Lanes, const G: usize, const T: usize>(
     }
 }
 
+/// `acc[h] += prob[h][p] · v[row][col..col + C]`, one fused multiply-add per element.
+///
+/// # Safety
+/// As [`group`].
+#[inline(always)]
+unsafe fn add_row<V: Lanes, const G: usize, const C: usize>(
+    acc: &mut [[V; C]; G],
+    s: &ValueSums<'_>,
+    p: usize,
+    row: usize,
+    col: usize,
+) {
+    unsafe {
+        let row = s.values.add(row * s.width + col * BLOCK);
+        let mut weights = [V::zero(); G];
+        for (h, w) in weights.iter_mut().enumerate() {
+            *w = V::splat(s.probs.add(h * s.padded + p));
+        }
+        for j in 0..C {
+            let v = V::load(row.add(j * BLOCK));
+            for (acc, w) in acc.iter_mut().zip(&weights) {
+                acc[j] = V::mul_add(*w, v, acc[j]);
+            }
+        }
+    }
+}
+
+/// Where a value sum reads: probabilities `probs: [G][padded]` and value rows `width` apart;
+/// positions `0..contiguous` are rows `0..contiguous`, then position `contiguous + j` is row
+/// `contiguous + tail[j]` (a tree row's ancestors).
+struct ValueSums<'a> {
+    probs: *const f32,
+    padded: usize,
+    contiguous: usize,
+    tail: &'a [usize],
+    values: *const f32,
+    width: usize,
+}
+
 /// Weighted sums of `G` heads over value columns `col..col + C` (each 8 wide).
 ///
 /// # Safety
 /// As [`group`].
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn value_tile<V: Lanes, const G: usize, const C: usize>(
-    probs: *const f32,
-    padded: usize,
-    n: usize,
-    values: *const f32,
-    width: usize,
+    s: &ValueSums<'_>,
     col: usize,
     out: *mut f32,
     d: usize,
 ) {
     unsafe {
         let mut acc = [[V::zero(); C]; G];
-        for p in 0..n {
-            let row = values.add(p * width + col * BLOCK);
-            let mut weights = [V::zero(); G];
-            for (h, w) in weights.iter_mut().enumerate() {
-                *w = V::splat(probs.add(h * padded + p));
-            }
-            for j in 0..C {
-                let v = V::load(row.add(j * BLOCK));
-                for (acc, w) in acc.iter_mut().zip(&weights) {
-                    acc[j] = V::mul_add(*w, v, acc[j]);
-                }
-            }
+        for p in 0..s.contiguous {
+            add_row::<V, G, C>(&mut acc, s, p, p, col);
+        }
+        for (j, &row) in s.tail.iter().enumerate() {
+            add_row::<V, G, C>(&mut acc, s, s.contiguous + j, s.contiguous + row, col);
         }
         for (h, acc) in acc.iter().enumerate() {
             for (j, a) in acc.iter().enumerate() {
@@ -416,14 +492,16 @@ mod tests {
                         q: &q[r * w + g * group * h.d..][..group * h.d],
                         kv,
                         head: g,
+                        first,
                         positions: n,
+                        tree_rows: None,
                     };
                     let o = &mut out[r * w + g * group * h.d..][..group * h.d];
                     group_for(Isa::Portable, &job, &mut scores, o);
                 }
             }
         } else {
-            attend(q, h.q * h.d, kv, first, h, &mut out, pool);
+            attend(q, h.q * h.d, kv, first, h, None, &mut out, pool);
         }
         out
     }
@@ -469,6 +547,39 @@ mod tests {
                 &Pool::new(1),
             );
             assert_eq!(alone, block[r * w..(r + 1) * w]);
+        }
+    }
+
+    #[test]
+    fn a_tree_row_equals_its_path_as_a_causal_block() {
+        let h = Heads { q: 9, kv: 3, d: 64 };
+        let w = h.q * h.d;
+        let kvw = h.kv * h.d;
+        // Root, two children, a grandchild of the second, and a deeper chain under it.
+        let mask =
+            TreeMask::try_new(vec![None, Some(0), Some(0), Some(2), Some(3), Some(1)]).unwrap();
+        let (first, rows) = (11, mask.rows());
+        let k = values((first + rows) * kvw, 4);
+        let v = values((first + rows) * kvw, 5);
+        let kv = KvStore::from_rows(h.kv, h.d, &k, &v);
+        let q = values(rows * w, 6);
+        let mut out = vec![0f32; rows * w];
+        attend(&q, w, &kv, first, h, Some(&mask), &mut out, &Pool::new(2));
+        for r in 0..rows {
+            let path = mask.ancestors(r);
+            let slots: Vec<usize> = (0..first).chain(path.iter().map(|a| first + a)).collect();
+            let gather = |x: &[f32]| -> Vec<f32> {
+                slots
+                    .iter()
+                    .flat_map(|&p| x[p * kvw..(p + 1) * kvw].to_vec())
+                    .collect()
+            };
+            let alone = KvStore::from_rows(h.kv, h.d, &gather(&k), &gather(&v));
+            let last = slots.len() - 1;
+            let mut want = vec![0f32; w];
+            let row_q = &q[r * w..(r + 1) * w];
+            attend(row_q, w, &alone, last, h, None, &mut want, &Pool::new(1));
+            assert_eq!(out[r * w..(r + 1) * w], want[..], "row {r}");
         }
     }
 }

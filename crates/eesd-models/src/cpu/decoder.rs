@@ -19,6 +19,8 @@ use super::flex::flex_f32;
 use super::packed::PackedWeight;
 use super::pool::Pool;
 use super::rows::{rms_norm, rope, silu_mul};
+use eesd_core::TreeMask;
+
 use crate::cache::LayerCache;
 use crate::error::{ModelError, Result};
 use crate::layer::DecoderLayer;
@@ -31,6 +33,8 @@ pub(crate) struct SeqRows<'a> {
     pub rows: Range<usize>,
     /// Its cache.
     pub cache: Option<&'a mut LayerCache>,
+    /// The rows' tree layout (positions by depth, attention to ancestors); `None`: causal.
+    pub tree: Option<&'a TreeMask>,
 }
 
 /// Runs `layer` (its attention half, and the MLP half when `mlp`) on `x: [t, hidden]` for the
@@ -142,6 +146,13 @@ fn run(
     };
     // Check every sequence before touching any cache.
     for s in seqs.iter() {
+        if s.tree.is_some_and(|tree| tree.rows() != s.rows.len()) {
+            return Err(ModelError::InvalidArgument(format!(
+                "a tree layout for {} rows given {} rows",
+                s.tree.map_or(0, TreeMask::rows),
+                s.rows.len()
+            )));
+        }
         let past = s.cache.as_ref().map_or(0, |c| c.len());
         let end = past + s.rows.len();
         if end > limit || end > cos.len() / d {
@@ -194,7 +205,7 @@ fn run(
             let past = s.cache.as_ref().map_or(0, |c| c.len());
             let n = s.rows.len();
             for (i, r) in s.rows.clone().enumerate() {
-                let pos = past + i;
+                let pos = past + s.tree.map_or(i, |t| t.depths()[i]);
                 let (cos, sin) = (&cos[pos * d..(pos + 1) * d], &sin[pos * d..(pos + 1) * d]);
                 rope(&mut qkv[r * qkv_w..r * qkv_w + (nh + nkv) * d], d, cos, sin);
             }
@@ -216,7 +227,7 @@ fn run(
             }
             let q = &qkv[s.rows.start * qkv_w..];
             let out = &mut attended[s.rows.start * nh * d..s.rows.end * nh * d];
-            attend(q, qkv_w, kv, past, heads, out, pool);
+            attend(q, qkv_w, kv, past, heads, s.tree, out, pool);
             if let Some(cache) = s.cache.as_deref_mut() {
                 cache.set_len(past + n);
             }

@@ -1,0 +1,79 @@
+//! Drafters: anything that proposes a tree of tokens for one verification round.
+//!
+//! A drafter sees the committed context (prompt and generated tokens; the last one is the
+//! tree's root) and a node budget, and returns a [`DraftTree`]. Drafters that learn from the
+//! target model (Token Recycling) ask for the target's best next tokens at every verified
+//! position, off-path tree nodes and prompt positions included, through
+//! [`Drafter::observe`]. Drafters in this crate cost microseconds per round; see
+//! [`crate::drafters`].
+
+use crate::tree::DraftTree;
+
+/// Proposes draft trees and learns from verification.
+pub trait Drafter {
+    /// A short name for reports (`recycle`, `lookup`, ...).
+    fn name(&self) -> String;
+
+    /// A tree of at most `budget` nodes continuing `context` (non-empty; its last token is the
+    /// root, which is not part of the tree).
+    fn propose(&mut self, context: &[u32], budget: usize) -> DraftTree;
+
+    /// How many of the target's most likely next tokens per verified position this drafter
+    /// wants in [`Drafter::observe`] (0: it never observes, and the loop skips the work).
+    fn candidates_wanted(&self) -> usize {
+        0
+    }
+
+    /// The target's most likely next tokens (best first) after `token` at one verified
+    /// position. Called for every row the target computed, accepted or not.
+    fn observe(&mut self, token: u32, candidates: &[u32]) {
+        let _ = (token, candidates);
+    }
+}
+
+impl<D: Drafter + ?Sized> Drafter for Box<D> {
+    fn name(&self) -> String {
+        (**self).name()
+    }
+    fn propose(&mut self, context: &[u32], budget: usize) -> DraftTree {
+        (**self).propose(context, budget)
+    }
+    fn candidates_wanted(&self) -> usize {
+        (**self).candidates_wanted()
+    }
+    fn observe(&mut self, token: u32, candidates: &[u32]) {
+        (**self).observe(token, candidates)
+    }
+}
+
+/// The `k` largest values' indices of `values`, largest first (ties: lower index first; NaN
+/// never counts).
+pub fn top_k(values: &[f32], k: usize) -> Vec<u32> {
+    let k = k.min(values.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    let mut best: Vec<(f32, u32)> = Vec::with_capacity(k + 1);
+    for (i, &v) in values.iter().enumerate() {
+        if v.is_nan() || (best.len() == k && v <= best[k - 1].0) {
+            continue;
+        }
+        let at = best.partition_point(|&(b, _)| b >= v);
+        best.insert(at, (v, i as u32));
+        best.truncate(k);
+    }
+    best.into_iter().map(|(_, i)| i).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::top_k;
+
+    #[test]
+    fn top_k_is_sorted_and_stable() {
+        assert_eq!(top_k(&[1.0, 5.0, 3.0, 5.0, -1.0], 3), vec![1, 3, 2]);
+        assert_eq!(top_k(&[2.0], 4), vec![0]);
+        assert!(top_k(&[], 2).is_empty());
+        assert!(top_k(&[1.0], 0).is_empty());
+    }
+}

@@ -1,0 +1,224 @@
+//! Token Recycling (Luo et al., arXiv 2408.08696): the candidates the target model itself ranked
+//! highest after each token, recycled as drafts.
+//!
+//! An adjacency matrix holds, per token id, the target's `k` most likely next tokens the last
+//! time it verified a position holding that token (every verified position counts: accepted,
+//! rejected tree nodes and prompt positions). A draft tree follows a static shape of rank
+//! paths from the root: rank 0 is the best candidate after the parent's token. The matrix is
+//! the drafter's whole memory; it carries over from one prompt to the next and serialises with
+//! serde.
+
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::drafter::Drafter;
+use crate::tree::DraftTree;
+
+/// Marks an adjacency entry that was never observed.
+const UNKNOWN: u32 = u32::MAX;
+
+/// A static tree of rank paths: node `i` is candidate `rank` after node `parent` (`None`: the
+/// root), parents before children, best-first.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TreeShape {
+    nodes: Vec<(Option<usize>, usize)>,
+}
+
+impl TreeShape {
+    /// How likely the candidate of each rank is to be the target's token, for choosing shapes
+    /// (measured on SmolLM2-135M with a recycled matrix; it decays the same way on other
+    /// models).
+    pub const RANK_PRIOR: [f64; 8] = [0.45, 0.12, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01];
+
+    /// The `nodes` rank paths of highest prior probability (the product of their ranks'
+    /// priors) using ranks below `k`: a tree that is deep along rank 0 and bushy near the root.
+    pub fn best_first(nodes: usize, k: usize) -> Self {
+        let prior = |rank: usize| Self::RANK_PRIOR.get(rank).copied().unwrap_or(0.005);
+        #[derive(PartialEq)]
+        struct Candidate(f64, Option<usize>, usize);
+        impl Eq for Candidate {}
+        impl PartialOrd for Candidate {
+            fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+                Some(self.cmp(other))
+            }
+        }
+        impl Ord for Candidate {
+            fn cmp(&self, other: &Self) -> Ordering {
+                self.0.total_cmp(&other.0)
+            }
+        }
+        let mut heap: BinaryHeap<Candidate> = (0..k)
+            .map(|rank| Candidate(prior(rank), None, rank))
+            .collect();
+        let mut shape = Vec::with_capacity(nodes);
+        while shape.len() < nodes {
+            let Some(Candidate(p, parent, rank)) = heap.pop() else {
+                break;
+            };
+            shape.push((parent, rank));
+            let me = shape.len() - 1;
+            heap.extend((0..k).map(|r| Candidate(p * prior(r), Some(me), r)));
+        }
+        TreeShape { nodes: shape }
+    }
+
+    /// Number of nodes.
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Whether the shape has no nodes.
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    /// `(parent, rank)` of each node.
+    pub fn nodes(&self) -> &[(Option<usize>, usize)] {
+        &self.nodes
+    }
+}
+
+/// The Token Recycling drafter.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TokenRecycling {
+    /// Candidates kept per token.
+    k: usize,
+    vocab: usize,
+    /// `[vocab][k]` next-token candidates, best first; [`UNKNOWN`] where none was seen.
+    next: Vec<u32>,
+    /// Shapes by budget, computed on first use.
+    #[serde(skip)]
+    shapes: Vec<TreeShape>,
+}
+
+impl TokenRecycling {
+    /// An empty matrix for a vocabulary of `vocab` tokens keeping `k` candidates each (the paper
+    /// uses 8).
+    pub fn new(vocab: usize, k: usize) -> Self {
+        let k = k.max(1);
+        TokenRecycling {
+            k,
+            vocab,
+            next: vec![UNKNOWN; vocab * k],
+            shapes: Vec::new(),
+        }
+    }
+
+    /// Candidates kept per token.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// The recorded candidates after `token`, best first.
+    pub fn candidates(&self, token: u32) -> &[u32] {
+        let t = token as usize;
+        if t >= self.vocab {
+            return &[];
+        }
+        let row = &self.next[t * self.k..(t + 1) * self.k];
+        let known = row.iter().position(|&c| c == UNKNOWN).unwrap_or(self.k);
+        &row[..known]
+    }
+
+    /// The tree shape used for `budget` nodes.
+    pub fn shape(&mut self, budget: usize) -> &TreeShape {
+        if let Some(i) = self.shapes.iter().position(|s| s.len() == budget) {
+            return &self.shapes[i];
+        }
+        self.shapes.push(TreeShape::best_first(budget, self.k));
+        let last = self.shapes.len() - 1;
+        &self.shapes[last]
+    }
+}
+
+impl Drafter for TokenRecycling {
+    fn name(&self) -> String {
+        "recycle".into()
+    }
+
+    fn propose(&mut self, context: &[u32], budget: usize) -> DraftTree {
+        let mut tree = DraftTree::new();
+        let Some(&root) = context.last() else {
+            return tree;
+        };
+        let shape = self.shape(budget).clone();
+        // Tree node of each shape node (None: not drafted, nor its subtree).
+        let mut placed: Vec<Option<usize>> = Vec::with_capacity(shape.len());
+        for &(parent, rank) in shape.nodes() {
+            let (after, parent_node) = match parent {
+                None => (root, None),
+                Some(p) => match placed[p] {
+                    Some(node) => (tree.tokens()[node], Some(node)),
+                    None => {
+                        placed.push(None);
+                        continue;
+                    }
+                },
+            };
+            let node = self
+                .candidates(after)
+                .get(rank)
+                .map(|&token| tree.push(token, parent_node));
+            placed.push(node);
+        }
+        tree
+    }
+
+    fn candidates_wanted(&self) -> usize {
+        self.k
+    }
+
+    fn observe(&mut self, token: u32, candidates: &[u32]) {
+        let t = token as usize;
+        if t >= self.vocab {
+            return;
+        }
+        let row = &mut self.next[t * self.k..(t + 1) * self.k];
+        row.fill(UNKNOWN);
+        let valid = candidates.iter().filter(|&&c| (c as usize) < self.vocab);
+        for (slot, &c) in row.iter_mut().zip(valid) {
+            *slot = c;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn best_first_shape_is_deep_along_rank_zero() {
+        let s = TreeShape::best_first(16, 8);
+        assert_eq!(s.len(), 16);
+        assert_eq!(s.nodes()[0], (None, 0));
+        assert_eq!(s.nodes()[1], (Some(0), 0));
+        for (i, &(p, _)) in s.nodes().iter().enumerate() {
+            assert!(p.is_none_or(|p| p < i));
+        }
+        assert_eq!(
+            TreeShape::best_first(3, 1).nodes(),
+            &[(None, 0), (Some(0), 0), (Some(1), 0)]
+        );
+    }
+
+    #[test]
+    fn drafts_follow_recycled_candidates_and_skip_unknown_ones() {
+        let mut r = TokenRecycling::new(10, 2);
+        assert!(r.propose(&[1], 4).is_empty());
+        r.observe(1, &[2, 3]);
+        r.observe(2, &[4]);
+        let tree = r.propose(&[7, 1], 8);
+        let paths: Vec<Vec<u32>> = (0..tree.len()).map(|n| tree.path(n)).collect();
+        assert!(paths.contains(&vec![2, 4]) && paths.contains(&vec![3]));
+        assert_eq!(tree.len(), 3);
+        // Out-of-vocabulary ids are ignored, never stored.
+        r.observe(99, &[1]);
+        r.observe(1, &[42, 5]);
+        assert_eq!(r.candidates(1), &[5]);
+        let json = serde_json::to_string(&r).unwrap();
+        let back: TokenRecycling = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.candidates(2), &[4]);
+    }
+}

@@ -1,0 +1,301 @@
+//! Tree speculation on tiny random LLaMA models (fast): greedy output equals AR for every
+//! drafter and for adversarial trees (deep, wide, accepted paths on any branch); sampling keeps
+//! the AR distribution; the cache after a round holds only the accepted path; context limits
+//! and stop tokens end generation as in AR.
+
+mod common;
+
+use std::ops::ControlFlow;
+
+use common::device;
+use eesd_core::drafters::DrafterSpec;
+use eesd_core::{
+    DraftTree, Drafter, GenerationConfig, GenerationOutput, Generator, LayeredModel, Mode,
+    SamplingParams, StopReason,
+};
+use eesd_models::testing::{tiny_config, tiny_gguf_bytes};
+use eesd_models::{Llama, LoadOptions, LoadedModel};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use statrs::distribution::{ChiSquared, ContinuousCDF};
+
+fn tiny(seed: u64) -> Llama {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    std::fs::write(&path, tiny_gguf_bytes(&tiny_config(), seed)).unwrap();
+    LoadedModel::load(&path, &device(), &LoadOptions::default())
+        .unwrap()
+        .model
+}
+
+const PROMPT: [u32; 6] = [257, 72, 101, 108, 108, 111];
+
+/// Random trees that hide the true continuation (when known) on a random branch, sometimes
+/// with a wrong token part-way: accepted paths of every length, on every row order.
+struct Adversary {
+    truth: Vec<u32>,
+    vocab: u32,
+    rng: StdRng,
+}
+
+impl Drafter for Adversary {
+    fn name(&self) -> String {
+        "adversary".into()
+    }
+
+    fn propose(&mut self, context: &[u32], budget: usize) -> DraftTree {
+        let mut tree = DraftTree::new();
+        let n = context.len();
+        let truth: Vec<u32> = self.truth.get(n..).unwrap_or(&[]).to_vec();
+        let depth = self.rng.random_range(0..=6usize);
+        let mut nodes: Vec<Option<usize>> = vec![None];
+        while tree.len() < budget {
+            // A random sibling somewhere, then (once) the true path under the root.
+            let parent = nodes[self.rng.random_range(0..nodes.len())];
+            let node = tree.push(self.rng.random_range(0..self.vocab), parent);
+            nodes.push(Some(node));
+            if tree.len() == budget / 2 {
+                let mut at = None;
+                for (i, &t) in truth.iter().take(depth).enumerate() {
+                    let t = if i == 3 && self.rng.random_bool(0.3) {
+                        (t + 1) % self.vocab
+                    } else {
+                        t
+                    };
+                    if tree.len() >= budget {
+                        break;
+                    }
+                    at = Some(tree.push(t, at));
+                    nodes.push(at);
+                }
+            }
+        }
+        tree
+    }
+}
+
+fn generate(
+    model: &Llama,
+    drafter: Option<Box<dyn Drafter>>,
+    prompt: &[u32],
+    config: &GenerationConfig,
+) -> GenerationOutput {
+    let mut g = Generator::new(model);
+    if let Some(d) = drafter {
+        g = g.with_drafter(d);
+    }
+    g.generate(prompt, config, |_| ControlFlow::Continue(()))
+        .unwrap()
+}
+
+#[test]
+fn greedy_tree_speculation_equals_ar_for_every_drafter() {
+    for seed in 0..3 {
+        let model = tiny(seed);
+        let vocab = model.config().vocab_size;
+        let ar_config = GenerationConfig {
+            max_new_tokens: 40,
+            ..Default::default()
+        };
+        let ar = generate(&model, None, &PROMPT, &ar_config);
+        let truth: Vec<u32> = PROMPT.iter().chain(&ar.tokens).copied().collect();
+        for budget in [1, 4, 16, 40] {
+            let config = GenerationConfig {
+                mode: Mode::Tree,
+                tree_budget: budget,
+                ..ar_config.clone()
+            };
+            let mut drafters: Vec<Box<dyn Drafter>> = ["recycle", "lookup", "fused"]
+                .iter()
+                .map(|d| {
+                    let spec: DrafterSpec = format!("{d}@{budget}").parse().unwrap();
+                    spec.build(vocab) as Box<dyn Drafter>
+                })
+                .collect();
+            drafters.push(Box::new(Adversary {
+                truth: truth.clone(),
+                vocab: vocab as u32,
+                rng: StdRng::seed_from_u64(seed * 100 + budget as u64),
+            }));
+            for d in drafters {
+                let name = d.name();
+                let out = generate(&model, Some(d), &PROMPT, &config);
+                assert_eq!(out.tokens, ar.tokens, "seed {seed}, {name}@{budget}");
+                if name == "adversary" && budget >= 16 {
+                    assert!(out.stats.accepted > 10, "{:?}", out.stats);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn after_a_round_the_cache_holds_only_the_accepted_path() {
+    let model = tiny(4);
+    // Verify a tree by hand, keep one path, and compare the next logits with AR over that path.
+    let mut tree = DraftTree::new();
+    let a = tree.push(50, None);
+    tree.push(60, None);
+    let b = tree.push(51, Some(a));
+    tree.push(61, Some(a));
+    tree.push(52, Some(b));
+    let mask = tree.mask();
+    let mut cache = model.new_cache();
+    model.forward(&PROMPT[..5], &mut cache).unwrap();
+    let rows: Vec<u32> = std::iter::once(PROMPT[5])
+        .chain(tree.tokens().iter().copied())
+        .collect();
+    let all = 0..model.num_layers();
+    let tree_logits = to_rows(
+        model.logits(
+            model
+                .forward_tree(model.embed(&rows).unwrap(), all.clone(), &mut cache, &mask)
+                .unwrap(),
+        ),
+    );
+    // Keep root → 50 → 51 (rows 0, 1, 3).
+    LayeredModel::keep_rows(&model, &mut cache, all, 5, &[0, 1, 3]).unwrap();
+    assert_eq!(cache.len_of(0), 8);
+    let next = to_rows(model.forward(&[77], &mut cache).unwrap());
+    let mut plain = model.new_cache();
+    let path = [PROMPT.as_slice(), &[50, 51, 77]].concat();
+    let want = to_rows(model.forward(&path, &mut plain).unwrap());
+    assert_eq!(next[0], want[8], "logits after the kept path");
+    // Each tree row saw exactly its path: row 3 (51 after 50) equals AR's position 7.
+    assert_eq!(tree_logits[3], want[7]);
+    assert_eq!(tree_logits[5], {
+        let mut c = model.new_cache();
+        let p = [PROMPT.as_slice(), &[50, 51, 52]].concat();
+        to_rows(model.forward(&p, &mut c).unwrap())[8].clone()
+    });
+    // Bad keeps are errors, not panics.
+    assert!(LayeredModel::keep_rows(&model, &mut cache, 0..1, 5, &[2, 1]).is_err());
+    assert!(LayeredModel::keep_rows(&model, &mut cache, 0..1, 5, &[0, 99]).is_err());
+}
+
+fn to_rows(t: burn::tensor::Tensor<2>) -> Vec<Vec<f32>> {
+    let [_, n] = t.dims();
+    let v = t
+        .into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .unwrap();
+    v.chunks(n).map(<[f32]>::to_vec).collect()
+}
+
+/// Counts of the tokens at `position` over many seeded generations.
+fn histogram(model: &Llama, drafter: Option<&str>, position: usize, runs: u64) -> Vec<usize> {
+    let vocab = model.config().vocab_size;
+    let mut counts = vec![0usize; vocab];
+    let mut g = Generator::new(model);
+    if let Some(spec) = drafter {
+        g = g.with_drafter(spec.parse::<DrafterSpec>().unwrap().build(vocab));
+    }
+    for seed in 0..runs {
+        let config = GenerationConfig {
+            max_new_tokens: position + 1,
+            sampling: SamplingParams {
+                temperature: 1.5,
+                top_k: 12,
+                top_p: 1.0,
+            },
+            seed: seed * 7919 + drafter.is_some() as u64,
+            mode: if drafter.is_some() {
+                Mode::Tree
+            } else {
+                Mode::Ar
+            },
+            tree_budget: 12,
+            ..Default::default()
+        };
+        let out = g
+            .generate(&PROMPT, &config, |_| ControlFlow::Continue(()))
+            .unwrap();
+        counts[out.tokens[position] as usize] += 1;
+    }
+    counts
+}
+
+/// p-value of the chi-square test that two samples come from one distribution.
+fn homogeneity_p(a: &[usize], b: &[usize]) -> f64 {
+    let (na, nb) = (
+        a.iter().sum::<usize>() as f64,
+        b.iter().sum::<usize>() as f64,
+    );
+    let (mut stat, mut df) = (0.0, 0);
+    for (&x, &y) in a.iter().zip(b) {
+        let total = (x + y) as f64;
+        if total < 5.0 {
+            continue;
+        }
+        let (ea, eb) = (total * na / (na + nb), total * nb / (na + nb));
+        stat += (x as f64 - ea).powi(2) / ea + (y as f64 - eb).powi(2) / eb;
+        df += 1;
+    }
+    1.0 - ChiSquared::new((df - 1).max(1) as f64).unwrap().cdf(stat)
+}
+
+#[test]
+fn tree_sampling_has_the_ar_distribution() {
+    // Token Recycling learns the model's top candidates, so its trees (several siblings per
+    // node, overlapping the sampled support) are accepted often and the walk is exercised.
+    let model = tiny(5);
+    for position in [0, 2] {
+        let ar = histogram(&model, None, position, 3000);
+        for spec in ["recycle@12", "fused@12"] {
+            let tree = histogram(&model, Some(spec), position, 3000);
+            let p = homogeneity_p(&ar, &tree);
+            let tv: f64 = ar
+                .iter()
+                .zip(&tree)
+                .map(|(&a, &b)| (a as f64 - b as f64).abs())
+                .sum::<f64>()
+                / 6000.0;
+            assert!(
+                p > 1e-3 && tv < 0.06,
+                "token {position}, {spec}: chi-square p = {p}, TV = {tv}"
+            );
+        }
+    }
+}
+
+#[test]
+fn context_limits_and_stop_tokens_end_tree_generation_as_in_ar() {
+    let model = tiny(6);
+    let context = model.config().context_length;
+    let vocab = model.config().vocab_size;
+    let recycle = || "recycle@16".parse::<DrafterSpec>().unwrap().build(vocab) as Box<dyn Drafter>;
+    let prompt = vec![66u32; context - 10];
+    let config = |mode| GenerationConfig {
+        mode,
+        max_new_tokens: 500,
+        ..Default::default()
+    };
+    let ar = generate(&model, None, &prompt, &config(Mode::Ar));
+    let tree = generate(&model, Some(recycle()), &prompt, &config(Mode::Tree));
+    assert_eq!(ar.stop_reason, StopReason::ContextFull);
+    assert_eq!(tree.stop_reason, StopReason::ContextFull);
+    assert_eq!(tree.tokens, ar.tokens);
+
+    let base = GenerationConfig {
+        max_new_tokens: 30,
+        ..Default::default()
+    };
+    let ar = generate(&model, None, &PROMPT, &base);
+    let stop = ar.tokens[9];
+    let first = ar.tokens.iter().position(|&t| t == stop).unwrap();
+    let config = GenerationConfig {
+        mode: Mode::Tree,
+        stop_tokens: vec![stop],
+        ..base.clone()
+    };
+    let out = generate(&model, Some(recycle()), &PROMPT, &config);
+    assert_eq!(out.tokens, ar.tokens[..=first]);
+    assert_eq!(out.stop_reason, StopReason::StopToken);
+    // Without a drafter, tree mode is a configuration error.
+    let mut g = Generator::new(&model);
+    assert!(
+        g.generate(&PROMPT, &config, |_| ControlFlow::Continue(()))
+            .is_err()
+    );
+}
