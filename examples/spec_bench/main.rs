@@ -23,6 +23,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use eesd::SHIPPED_HEAD;
 use eesd::bandit::Policy;
+use eesd::core::drafters::DrafterSpec;
 use eesd::core::{Backend, GenerationConfig, GenerationOutput, Generator, Mode};
 use eesd::models::{AnyHead, Llama, LoadOptions, LoadedModel, NormHead, WeightDType, fetch};
 use eesd::train::{file_sha256, load_layer_head};
@@ -75,15 +76,39 @@ struct Question {
 
 struct Method {
     name: String,
-    exit_layer: usize,
-    policy: Policy,
-    head: BenchHead,
+    kind: Kind,
+}
+
+enum Kind {
+    /// EESD: an exit head after `exit_layer`, draft lengths from `policy`.
+    Eesd {
+        exit_layer: usize,
+        policy: Policy,
+        head: BenchHead,
+    },
+    /// Tree speculation with a train-free drafter.
+    Tree(DrafterSpec),
+}
+
+/// One generator per method; tree generators carry their drafter (and what it learned).
+enum Runner<'a> {
+    Eesd(Generator<'a, Llama, BenchHead>),
+    Tree(Generator<'a, Llama>),
 }
 
 /// `HEAD[@LAYER]/POLICY`: HEAD is `norm` (needs `@LAYER`), `shipped` (the head in
 /// `assets/heads`), a checkpoint prefix or `oracle:A[+HEAD]`; a trained head's layer defaults to
 /// its own.
 fn parse_method(spec: &str, seed: u64, lm: &LoadedModel, model_sha: &str) -> Result<Method> {
+    if ["recycle", "lookup", "fused"]
+        .iter()
+        .any(|d| spec.split('@').next() == Some(*d))
+    {
+        return Ok(Method {
+            name: spec.to_string(),
+            kind: Kind::Tree(spec.parse()?),
+        });
+    }
     // The policy follows the last '/' (checkpoint prefixes are paths).
     let (head, policy) = spec
         .rsplit_once('/')
@@ -125,9 +150,11 @@ fn parse_method(spec: &str, seed: u64, lm: &LoadedModel, model_sha: &str) -> Res
     let head = BenchHead { head, oracle };
     Ok(Method {
         name: spec.to_string(),
-        exit_layer,
-        policy: Policy::parse(policy, seed)?,
-        head,
+        kind: Kind::Eesd {
+            exit_layer,
+            policy: Policy::parse(policy, seed)?,
+            head,
+        },
     })
 }
 
@@ -183,6 +210,7 @@ impl Totals {
             "mean_accepted": self.tokens as f64 / self.rounds.max(1) as f64,
             "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds,
             "drafted": self.drafted, "discarded": self.discarded,
+            "drafted_per_round": self.drafted as f64 / self.rounds.max(1) as f64,
             // Per verification round (AR: per token). The draft phase includes the last
             // accepted token's pass through layers [0, N), which plain decoding does too.
             "draft_ms_per_round": 1e3 * self.draft_seconds / self.rounds.max(1) as f64,
@@ -228,12 +256,18 @@ fn main() -> Result<()> {
         .map(|m| parse_method(m, 1, &lm, &sha))
         .collect::<Result<_>>()?;
     // One generator per method, alive for the whole run, so learning policies carry over.
-    let mut generators: Vec<Generator<'_, Llama, BenchHead>> = methods
+    let vocab = lm.model.config().vocab_size;
+    let mut generators: Vec<Runner<'_>> = methods
         .iter()
-        .map(|m| {
-            Generator::new(&lm.model)
-                .with_head(&m.head)
-                .with_policy(m.policy.clone())
+        .map(|m| match &m.kind {
+            Kind::Eesd { policy, head, .. } => Runner::Eesd(
+                Generator::new(&lm.model)
+                    .with_head(head)
+                    .with_policy(policy.clone()),
+            ),
+            Kind::Tree(spec) => {
+                Runner::Tree(Generator::new(&lm.model).with_drafter(spec.build(vocab)))
+            }
         })
         .collect();
     let mut ar_gen = Generator::new(&lm.model);
@@ -260,13 +294,32 @@ fn main() -> Result<()> {
         }
         for (i, (m, g)) in methods.iter().zip(generators.iter_mut()).enumerate() {
             bar.set_message(format!("q{} {} {}", q.question_id, q.category, m.name));
-            let config = GenerationConfig {
-                mode: Mode::Eesd,
-                exit_layer: Some(m.exit_layer),
-                ..base.clone()
+            let go = |_: &[u32]| ControlFlow::Continue(());
+            let out = match (&m.kind, g) {
+                (
+                    Kind::Eesd {
+                        exit_layer, head, ..
+                    },
+                    Runner::Eesd(g),
+                ) => {
+                    let config = GenerationConfig {
+                        mode: Mode::Eesd,
+                        exit_layer: Some(*exit_layer),
+                        ..base.clone()
+                    };
+                    head.set_target(&prompt, &ar.tokens);
+                    g.generate(&prompt, &config, go)?
+                }
+                (Kind::Tree(spec), Runner::Tree(g)) => {
+                    let config = GenerationConfig {
+                        mode: Mode::Tree,
+                        tree_budget: spec.budget,
+                        ..base.clone()
+                    };
+                    g.generate(&prompt, &config, go)?
+                }
+                _ => unreachable!("runners are built from their methods"),
             };
-            m.head.set_target(&prompt, &ar.tokens);
-            let out = g.generate(&prompt, &config, |_| ControlFlow::Continue(()))?;
             let diverged = out.tokens != ar.tokens;
             if diverged {
                 bar.println(format!(
