@@ -160,59 +160,103 @@ pub fn attend(
     debug_assert!(kv.capacity() >= first + rows && q.len() >= (rows - 1) * q_stride + nh * d);
     debug_assert!(tree.is_none_or(|t| t.rows() == rows));
     let group = nh / nkv;
-    let span = group * d;
     let isa = Isa::detect();
+    // Row tiles: the rows of a tile read each key and value block once, from L1, instead of
+    // once per row from L2/L3 (long caches do not fit L2). At least two tasks per thread.
+    let tiles = (2 * pool.threads())
+        .div_ceil(nkv)
+        .max(rows.div_ceil(MAX_TILE_ROWS))
+        .min(rows);
+    let per_tile = rows.div_ceil(tiles);
+    let tiles = rows.div_ceil(per_tile);
     let out_ptr = Disjoint(out.as_mut_ptr());
     // Tasks of one kv head are consecutive, so the threads share its keys and values in cache.
-    pool.run(rows * nkv, &|task| {
-        let (r, g) = (task % rows, task / rows);
-        let n = first + r + 1;
+    pool.run(tiles * nkv, &|task| {
+        let (t, g) = (task % tiles, task / tiles);
+        let r0 = t * per_tile;
+        let n = (per_tile).min(rows - r0);
+        let padded = (first + r0 + n).div_ceil(BLOCK) * BLOCK;
         SCORES.with_borrow_mut(|scores| {
-            scores.resize(group * n.div_ceil(BLOCK) * BLOCK, 0.0);
-            let job = Group {
-                q: &q[r * q_stride + g * span..][..span],
+            scores.resize(n * group * padded, 0.0);
+            let job = Tile {
+                q: &q[r0 * q_stride + g * group * d..],
+                q_stride,
+                group,
+                rows: n,
                 kv,
                 head: g,
                 first,
-                positions: n,
-                tree_rows: tree.map(|t| t.ancestors(r)),
+                r0,
+                tree,
+                padded,
             };
-            // SAFETY: task (r, g) writes only row r's query heads of group g.
-            let os = unsafe { out_ptr.slice(r * nh * d + g * span, span) };
-            group_for(isa, &job, scores, os);
+            // SAFETY: task (t, g) writes only group g's query heads of the tile's rows, inside
+            // `out` (rows r0..r0 + n of nh · d values).
+            let os = unsafe { out_ptr.ptr().add(r0 * nh * d + g * group * d) };
+            tile_for(isa, &job, scores, os, nh * d);
         });
     });
 }
+
+/// Most rows per attention task.
+const MAX_TILE_ROWS: usize = 8;
+
+/// Positions per chunk of the shared value sum: the chunk's value rows stay in L1 while every
+/// row of the tile adds them.
+const VALUE_CHUNK: usize = 64;
 
 thread_local! {
     /// Score buffer reused by every call on this thread.
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// The query heads of one row that share kv head `head`, over its first `positions` positions
-/// (or, with `tree_rows`, over `0..first` and the block rows named there).
-struct Group<'a> {
+/// The query heads that share kv head `head`, for block rows `r0..r0 + rows`: row `r0 + i`
+/// attends causally to `0..=first + r0 + i`, or with `tree` to `0..first` and its ancestors.
+struct Tile<'a> {
+    /// The tile's first row's queries of this group; rows `q_stride` apart.
     q: &'a [f32],
+    q_stride: usize,
+    /// Query heads per kv head.
+    group: usize,
+    rows: usize,
     kv: &'a KvStore,
     head: usize,
     first: usize,
-    positions: usize,
-    tree_rows: Option<&'a [usize]>,
+    r0: usize,
+    tree: Option<&'a TreeMask>,
+    /// Score row length (whole key blocks of the tile's last row).
+    padded: usize,
 }
 
-fn group_for(isa: Isa, job: &Group<'_>, scores: &mut [f32], out: &mut [f32]) {
+impl Tile<'_> {
+    /// Positions row `i` of the tile scores: the causal ones up to its own.
+    fn scored(&self, i: usize) -> usize {
+        self.first + self.r0 + i + 1
+    }
+
+    /// `(contiguous, tail)`: row `i` sums values over positions `0..contiguous`, then over
+    /// `first + tail[j]` (its ancestors, for a tree row).
+    fn used(&self, i: usize) -> (usize, &[usize]) {
+        match self.tree {
+            Some(tree) => (self.first, tree.ancestors(self.r0 + i)),
+            None => (self.scored(i), &[]),
+        }
+    }
+}
+
+fn tile_for(isa: Isa, job: &Tile<'_>, scores: &mut [f32], out: *mut f32, out_stride: usize) {
     match isa.supported() {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512 => {
             #[target_feature(enable = "avx2,fma")]
-            unsafe fn avx2(job: &Group<'_>, scores: &mut [f32], out: &mut [f32]) {
-                unsafe { group_tiled::<std::arch::x86_64::__m256>(job, scores, out) }
+            unsafe fn avx2(job: &Tile<'_>, scores: &mut [f32], out: *mut f32, stride: usize) {
+                unsafe { group_tiled::<std::arch::x86_64::__m256>(job, scores, out, stride) }
             }
-            // SAFETY: the CPU has AVX2 and FMA.
-            unsafe { avx2(job, scores, out) }
+            // SAFETY: the CPU has AVX2 and FMA; `out` as promised by `attend`.
+            unsafe { avx2(job, scores, out, out_stride) }
         }
-        // SAFETY: portable lanes need no special instructions.
-        _ => unsafe { group_tiled::<Soft<8>>(job, scores, out) },
+        // SAFETY: portable lanes need no special instructions; `out` as promised by `attend`.
+        _ => unsafe { group_tiled::<Soft<8>>(job, scores, out, out_stride) },
     }
 }
 
@@ -224,105 +268,142 @@ fn group_for(isa: Isa, job: &Group<'_>, scores: &mut [f32], out: &mut [f32]) {
 /// # Safety
 /// As [`group`].
 #[inline(always)]
-unsafe fn group_tiled<V: Lanes>(job: &Group<'_>, scores: &mut [f32], out: &mut [f32]) {
+unsafe fn group_tiled<V: Lanes>(job: &Tile<'_>, scores: &mut [f32], out: *mut f32, stride: usize) {
     unsafe {
-        match job.q.len() / job.kv.d {
-            1 => group::<V, 1, 8, 8>(job, scores, out),
-            2 => group::<V, 2, 4, 4>(job, scores, out),
-            3 => group::<V, 3, 3, 4>(job, scores, out),
-            4 => group::<V, 4, 2, 2>(job, scores, out),
-            5 => group::<V, 5, 2, 2>(job, scores, out),
-            6 => group::<V, 6, 1, 1>(job, scores, out),
-            7 => group::<V, 7, 1, 1>(job, scores, out),
-            _ => group::<V, 8, 1, 1>(job, scores, out),
+        match job.group {
+            1 => group::<V, 1, 8, 8>(job, scores, out, stride),
+            2 => group::<V, 2, 4, 4>(job, scores, out, stride),
+            3 => group::<V, 3, 3, 4>(job, scores, out, stride),
+            4 => group::<V, 4, 2, 2>(job, scores, out, stride),
+            5 => group::<V, 5, 2, 2>(job, scores, out, stride),
+            6 => group::<V, 6, 1, 1>(job, scores, out, stride),
+            7 => group::<V, 7, 1, 1>(job, scores, out, stride),
+            _ => group::<V, 8, 1, 1>(job, scores, out, stride),
         }
     }
 }
 
-/// Scores (`scores: [G][blocks · 8]`), softmax and weighted values of one [`Group`] of `G`
-/// query heads into `out: [G · d]`.
+/// Scores (`scores: [rows][G][padded]`), softmax and weighted values of one [`Tile`] of `G`
+/// query heads per row into `out` (row `i` at `out + i · stride`, `G · d` values).
+///
+/// Each score and each output element is one chain over positions in the order a single row
+/// would use: the tile only shares loads (key blocks across rows, value chunks across rows,
+/// partial sums parked in `out` between chunks, which is exact).
 ///
 /// # Safety
-/// `V` has 8 lanes and its instructions are supported; the store and slices match (see
-/// [`attend`]).
+/// `V` has 8 lanes and its instructions are supported; the store, slices and `out` match
+/// (see [`attend`]).
 #[inline(always)]
 unsafe fn group<V: Lanes, const G: usize, const T: usize, const C: usize>(
-    job: &Group<'_>,
+    job: &Tile<'_>,
     scores: &mut [f32],
-    out: &mut [f32],
+    out: *mut f32,
+    stride: usize,
 ) {
     debug_assert_eq!(V::WIDTH, BLOCK);
     let (heads, d) = job.kv.shape();
-    let n = job.positions;
-    let blocks = n.div_ceil(BLOCK);
-    let padded = blocks * BLOCK;
+    let padded = job.padded;
     let scale = 1.0 / (d as f32).sqrt();
     unsafe {
-        // Scores, 8 positions per register: s[p] = Σ_c q[c] · k[p][c], one chain per lane.
+        // Scores, 8 positions per register: s[p] = Σ_c q[c] · k[p][c], one chain per lane; a
+        // tile of T key blocks serves every row of the tile while it is in L1.
         let keys = job.kv.k.as_ptr().add(job.head * d * BLOCK);
         let block_stride = heads * d * BLOCK;
         let sp = scores.as_mut_ptr();
+        let row_q = |i: usize| job.q.as_ptr().add(i * job.q_stride);
+        let row_s = |i: usize| sp.add(i * G * padded);
         let mut block = 0;
-        while block + T <= blocks {
-            score_tile::<V, G, T>(job.q.as_ptr(), d, keys, block_stride, block, sp, padded);
-            block += T;
-        }
-        while block < blocks {
-            score_tile::<V, G, 1>(job.q.as_ptr(), d, keys, block_stride, block, sp, padded);
-            block += 1;
-        }
-        // A tree row keeps the scores of its ancestors only, in order: positions
-        // first..first + tree_rows.len() then stand for the rows listed there.
-        let (n, tail) = match job.tree_rows {
-            Some(rows) => {
-                for h in 0..G {
-                    let s = &mut scores[h * padded..];
-                    for (j, &row) in rows.iter().enumerate() {
-                        s[job.first + j] = s[job.first + row];
+        while block < padded / BLOCK {
+            for i in 0..job.rows {
+                let blocks = job.scored(i).div_ceil(BLOCK);
+                if block + T <= blocks {
+                    score_tile::<V, G, T>(row_q(i), d, keys, block_stride, block, row_s(i), padded);
+                } else {
+                    for b in block..blocks {
+                        score_tile::<V, G, 1>(row_q(i), d, keys, block_stride, b, row_s(i), padded);
                     }
                 }
-                (job.first, rows)
             }
-            None => (n, &[][..]),
-        };
-        let used = n + tail.len();
-        // Softmax per head over the used positions (unnormalised; the sum divides at the end).
-        let mut inv = [0f32; G];
-        for (h, inv) in inv.iter_mut().enumerate() {
-            let s = &mut scores[h * padded..h * padded + used];
-            for x in s.iter_mut() {
-                *x *= scale;
-            }
-            let max = max(s);
-            for x in s.iter_mut() {
-                *x = exp(*x - max);
-            }
-            *inv = 1.0 / sum(s);
+            block += T;
         }
-        // out[h][c] = Σ_p prob[h][p] · v[p][c], C columns of 8 at a time.
+        // Per row: a tree row keeps the scores of its ancestors only, in order (positions
+        // first..first + tail.len() then stand for the rows listed in tail); then the softmax
+        // per head over the used positions (unnormalised; the sum divides at the end).
+        let mut inv = [[0f32; G]; MAX_TILE_ROWS];
+        for (i, inv) in inv.iter_mut().enumerate().take(job.rows) {
+            let (contiguous, tail) = job.used(i);
+            let used = contiguous + tail.len();
+            for (h, inv) in inv.iter_mut().enumerate() {
+                let s = &mut scores[(i * G + h) * padded..(i * G + h + 1) * padded];
+                if job.tree.is_some() {
+                    for (j, &row) in tail.iter().enumerate() {
+                        s[contiguous + j] = s[contiguous + row];
+                    }
+                }
+                let s = &mut s[..used];
+                for x in s.iter_mut() {
+                    *x *= scale;
+                }
+                let max = max(s);
+                for x in s.iter_mut() {
+                    *x = exp(*x - max);
+                }
+                *inv = 1.0 / sum(s);
+            }
+        }
+        // out[h][c] = Σ_p prob[h][p] · v[p][c], C columns of 8 at a time: the cached positions
+        // in chunks shared by all rows, then each row's own positions.
         let values = job.kv.v.as_ptr().add(job.head * d);
-        let (width, op) = (heads * d, out.as_mut_ptr());
+        let width = heads * d;
+        let sums = |i: usize| {
+            let (contiguous, tail) = job.used(i);
+            ValueSums {
+                probs: sp.add(i * G * padded),
+                padded,
+                contiguous,
+                tail,
+                values,
+                width,
+            }
+        };
         let cols = d / BLOCK;
-        let sums = ValueSums {
-            probs: scores.as_ptr(),
-            padded,
-            contiguous: n,
-            tail,
-            values,
-            width,
+        // A single row gains nothing from chunks: one pass over its positions.
+        let chunk_len = if job.rows == 1 {
+            job.first
+        } else {
+            VALUE_CHUNK
         };
         let mut col = 0;
-        while col + C <= cols {
-            value_tile::<V, G, C>(&sums, col, op, d);
-            col += C;
-        }
         while col < cols {
-            value_tile::<V, G, 1>(&sums, col, op, d);
-            col += 1;
+            let wide = col + C <= cols;
+            let mut chunk = 0;
+            while chunk < job.first {
+                let end = (chunk + chunk_len).min(job.first);
+                for i in 0..job.rows {
+                    let o = out.add(i * stride);
+                    match wide {
+                        true => value_tile::<V, G, C>(&sums(i), chunk..end, false, col, o, d),
+                        false => value_tile::<V, G, 1>(&sums(i), chunk..end, false, col, o, d),
+                    }
+                }
+                chunk = end;
+            }
+            for i in 0..job.rows {
+                let (s, o) = (sums(i), out.add(i * stride));
+                let own = job.first..s.contiguous;
+                match wide {
+                    true => value_tile::<V, G, C>(&s, own, true, col, o, d),
+                    false => value_tile::<V, G, 1>(&s, own, true, col, o, d),
+                }
+            }
+            col += if wide { C } else { 1 };
         }
-        for (h, inv) in inv.iter().enumerate() {
-            for v in &mut out[h * d..(h + 1) * d] {
-                *v *= inv;
+        for (i, inv) in inv.iter().enumerate().take(job.rows) {
+            for (h, inv) in inv.iter().enumerate() {
+                let row = std::slice::from_raw_parts_mut(out.add(i * stride + h * d), d);
+                for v in row {
+                    *v *= inv;
+                }
             }
         }
     }
@@ -403,24 +484,37 @@ struct ValueSums<'a> {
     width: usize,
 }
 
-/// Weighted sums of `G` heads over value columns `col..col + C` (each 8 wide).
+/// Adds positions `range` (and, with `tail`, the tail positions) of [`ValueSums`] into the
+/// weighted sums of `G` heads over value columns `col..col + C` (each 8 wide) at `out`,
+/// continuing the sums stored there unless `range` starts at position 0.
 ///
 /// # Safety
 /// As [`group`].
 #[inline(always)]
 unsafe fn value_tile<V: Lanes, const G: usize, const C: usize>(
     s: &ValueSums<'_>,
+    range: std::ops::Range<usize>,
+    tail: bool,
     col: usize,
     out: *mut f32,
     d: usize,
 ) {
     unsafe {
         let mut acc = [[V::zero(); C]; G];
-        for p in 0..s.contiguous {
+        if range.start > 0 {
+            for (h, acc) in acc.iter_mut().enumerate() {
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a = V::load(out.add(h * d + (col + j) * BLOCK));
+                }
+            }
+        }
+        for p in range {
             add_row::<V, G, C>(&mut acc, s, p, p, col);
         }
-        for (j, &row) in s.tail.iter().enumerate() {
-            add_row::<V, G, C>(&mut acc, s, s.contiguous + j, s.contiguous + row, col);
+        if tail {
+            for (j, &row) in s.tail.iter().enumerate() {
+                add_row::<V, G, C>(&mut acc, s, s.contiguous + j, s.contiguous + row, col);
+            }
         }
         for (h, acc) in acc.iter().enumerate() {
             for (j, a) in acc.iter().enumerate() {
@@ -482,22 +576,27 @@ mod tests {
     ) -> Vec<f32> {
         let mut out = vec![0f32; q.len()];
         if isa_portable {
+            // One row per tile, the portable lanes.
             let w = h.q * h.d;
             for r in 0..q.len() / w {
-                let n = first + r + 1;
                 let group = h.q / h.kv;
                 for g in 0..h.kv {
-                    let mut scores = vec![0f32; group * n.div_ceil(BLOCK) * BLOCK];
-                    let job = Group {
-                        q: &q[r * w + g * group * h.d..][..group * h.d],
+                    let padded = (first + r + 1).div_ceil(BLOCK) * BLOCK;
+                    let mut scores = vec![0f32; group * padded];
+                    let job = Tile {
+                        q: &q[r * w + g * group * h.d..],
+                        q_stride: w,
+                        group,
+                        rows: 1,
                         kv,
                         head: g,
-                        first,
-                        positions: n,
-                        tree_rows: None,
+                        first: first + r,
+                        r0: 0,
+                        tree: None,
+                        padded,
                     };
-                    let o = &mut out[r * w + g * group * h.d..][..group * h.d];
-                    group_for(Isa::Portable, &job, &mut scores, o);
+                    let o = out[r * w + g * group * h.d..].as_mut_ptr();
+                    tile_for(Isa::Portable, &job, &mut scores, o, w);
                 }
             }
         } else {
@@ -522,9 +621,14 @@ mod tests {
     }
 
     fn check(h: Heads) {
+        // A short cache, and one longer than a value chunk with rows over several tiles.
+        check_block(h, 13, 5);
+        check_block(h, 150, 19);
+    }
+
+    fn check_block(h: Heads, first: usize, rows: usize) {
         assert!(h.supported());
         let pool = Pool::new(3);
-        let (first, rows) = (13, 5);
         let n = first + rows;
         let k = values(n * h.kv * h.d, 1);
         let v = values(n * h.kv * h.d, 2);
@@ -558,7 +662,7 @@ mod tests {
         // Root, two children, a grandchild of the second, and a deeper chain under it.
         let mask =
             TreeMask::try_new(vec![None, Some(0), Some(0), Some(2), Some(3), Some(1)]).unwrap();
-        let (first, rows) = (11, mask.rows());
+        let (first, rows) = (70, mask.rows());
         let k = values((first + rows) * kvw, 4);
         let v = values((first + rows) * kvw, 5);
         let kv = KvStore::from_rows(h.kv, h.d, &k, &v);

@@ -189,6 +189,11 @@ pub(crate) struct Disjoint<T>(pub(crate) *mut T);
 unsafe impl<T: Send> Sync for Disjoint<T> {}
 
 impl<T> Disjoint<T> {
+    /// The buffer's start, for tasks that write scattered pieces (each task its own).
+    pub(crate) fn ptr(&self) -> *mut T {
+        self.0
+    }
+
     /// # Safety
     /// `start..start + len` is inside the buffer and no other live slice overlaps it.
     #[allow(clippy::mut_from_ref)]
