@@ -2,8 +2,11 @@
 //!
 //! ```text
 //! cargo run --release --example generate -- --prompt "What is the capital of France?"
+//! cargo run --release --example generate -- --mode tree --drafter fused@8:4 --prompt "Hi"
 //! cargo run --release --example generate -- --prompt-ids 1,9690,198 --max-new-tokens 16 --json
 //! ```
+//! `--mode compare` (the default) runs AR, EESD and tree speculation on the same prompt and
+//! prints each one's speedup over AR and whether its tokens equal AR's.
 
 use std::io::Write;
 use std::ops::ControlFlow;
@@ -12,6 +15,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Parser;
 use eesd::bandit::Policy;
+use eesd::core::drafters::DrafterSpec;
 use eesd::core::{Backend, GenerationConfig, GenerationOutput, Generator, Mode, SamplingParams};
 use eesd::models::{AnyHead, LoadOptions, LoadedModel, NormHead, TextStream, WeightDType, fetch};
 use eesd::train::{file_sha256, load_layer_head};
@@ -31,9 +35,13 @@ struct Args {
     /// Weight precision on the device: f32, f16 or bf16.
     #[arg(long, default_value = "f32")]
     dtype: WeightDType,
-    /// ar, eesd, or compare (AR then EESD on the same prompt, with the speedup).
+    /// ar, eesd, tree, or compare (AR, EESD and tree on the same prompt, with speedups).
     #[arg(long, default_value = "compare")]
     mode: String,
+    /// Drafter of tree speculation: recycle@B (Token Recycling), lookup@B (context lookup) or
+    /// fused@B[:L] (lookup capped at L nodes fused with recycling), B = nodes per tree.
+    #[arg(long, default_value = "fused@8:4")]
+    drafter: DrafterSpec,
     /// Exit layer N for EESD (default: the trained head's layer, or 8 with `--head norm`).
     #[arg(long)]
     exit_layer: Option<usize>,
@@ -80,7 +88,7 @@ struct Args {
 fn summary(out: &GenerationOutput, text: &str, device: Backend) -> serde_json::Value {
     let s = &out.stats;
     serde_json::json!({
-        "mode": s.mode, "device": device.name(), "policy": s.policy,
+        "mode": s.mode, "device": device.name(), "policy": s.policy, "drafted": s.drafted,
         "prompt_tokens": s.prompt_tokens, "token_ids": out.tokens, "text": text,
         "new_tokens": s.new_tokens, "seconds": s.seconds, "prefill_seconds": s.prefill_seconds,
         "tokens_per_second": s.tokens_per_second, "stop_reason": out.stop_reason,
@@ -100,7 +108,13 @@ fn main() -> Result<()> {
     };
     let lm = LoadedModel::load(&path, &device, &options)
         .with_context(|| format!("loading {}", path.display()))?;
-    let (head, exit_layer) = if args.head == "norm" {
+    let modes: Vec<Mode> = match args.mode.as_str() {
+        "compare" => vec![Mode::Ar, Mode::Eesd, Mode::Tree],
+        m => vec![m.parse()?],
+    };
+    // Plain AR and tree speculation need no exit head: load one only for EESD.
+    let needs_head = modes.contains(&Mode::Eesd);
+    let (head, exit_layer) = if args.head == "norm" || !needs_head {
         (
             AnyHead::Norm(NormHead::new()),
             Some(args.exit_layer.unwrap_or(8)),
@@ -123,13 +137,11 @@ fn main() -> Result<()> {
         (None, Some(p)) => lm.chat_prompt(p)?,
         (None, None) => anyhow::bail!("give --prompt or --prompt-ids"),
     };
-    let modes: Vec<Mode> = match args.mode.as_str() {
-        "compare" => vec![Mode::Ar, Mode::Eesd],
-        m => vec![m.parse()?],
-    };
-    let mut generator = Generator::new(&lm.model)
+    let vocab = lm.model.config().vocab_size;
+    let mut eesd = Generator::new(&lm.model)
         .with_head(&head)
         .with_policy(policy);
+    let mut plain = Generator::new(&lm.model).with_drafter(args.drafter.build(vocab));
     let mut results = Vec::new();
     for mode in modes {
         let config = GenerationConfig {
@@ -143,6 +155,7 @@ fn main() -> Result<()> {
             seed: args.seed,
             mode,
             exit_layer,
+            tree_budget: args.drafter.budget,
             ..Default::default()
         };
         let mut stream = TextStream::new();
@@ -150,7 +163,7 @@ fn main() -> Result<()> {
         if !args.json {
             eprintln!("--- {mode:?} ---");
         }
-        let out = generator.generate(&prompt_ids, &config, |ids| {
+        let on_tokens = |ids: &[u32]| {
             if !args.json
                 && let Ok(delta) = stream.push(&lm.tokenizer, ids)
             {
@@ -158,7 +171,11 @@ fn main() -> Result<()> {
                 let _ = stdout.flush();
             }
             ControlFlow::Continue(())
-        })?;
+        };
+        let out = match mode {
+            Mode::Eesd => eesd.generate(&prompt_ids, &config, on_tokens)?,
+            _ => plain.generate(&prompt_ids, &config, on_tokens)?,
+        };
         let text = lm.tokenizer.decode(&out.tokens, true)?;
         if !args.json {
             let s = &out.stats;
@@ -177,24 +194,40 @@ fn main() -> Result<()> {
         }
         results.push((out, text));
     }
-    if let [(ar, _), (eesd, _)] = &results[..] {
-        let speedup = eesd.stats.tokens_per_second / ar.stats.tokens_per_second;
-        let identical = ar.tokens == eesd.tokens;
-        if args.json {
-            let runs: Vec<_> = results
+    match &results[..] {
+        [(out, text)] if args.json => println!("{}", summary(out, text, args.device)),
+        [_] => {}
+        [(ar, _), others @ ..] => {
+            // Speedup of each method over AR on the same prompt, and whether it is lossless.
+            let versus: Vec<_> = others
                 .iter()
-                .map(|(o, t)| summary(o, t, args.device))
+                .map(|(o, _)| {
+                    let speedup = o.stats.tokens_per_second / ar.stats.tokens_per_second;
+                    (o.stats.mode, speedup, o.tokens == ar.tokens)
+                })
                 .collect();
-            println!(
-                "{}",
-                serde_json::json!({ "speedup": speedup, "identical": identical, "runs": runs })
-            );
-        } else {
-            eprintln!("speedup EESD/AR: {speedup:.2}x; outputs identical: {identical}");
+            if args.json {
+                let runs: Vec<_> = results
+                    .iter()
+                    .map(|(o, t)| summary(o, t, args.device))
+                    .collect();
+                let versus: Vec<_> = versus
+                    .iter()
+                    .map(|(mode, speedup, identical)| {
+                        serde_json::json!({ "mode": mode, "speedup": speedup, "identical": identical })
+                    })
+                    .collect();
+                println!(
+                    "{}",
+                    serde_json::json!({ "versus_ar": versus, "runs": runs })
+                );
+            } else {
+                for (mode, speedup, identical) in versus {
+                    eprintln!("speedup {mode:?}/AR: {speedup:.2}x; outputs identical: {identical}");
+                }
+            }
         }
-    } else if args.json {
-        let (out, text) = &results[0];
-        println!("{}", summary(out, text, args.device));
+        [] => {}
     }
     Ok(())
 }

@@ -7,26 +7,15 @@ mod common;
 
 use std::ops::ControlFlow;
 
-use common::device;
+use common::{homogeneity_p, tiny};
 use eesd_core::drafters::DrafterSpec;
 use eesd_core::{
     DraftTree, Drafter, GenerationConfig, GenerationOutput, Generator, LayeredModel, Mode,
     SamplingParams, StopReason,
 };
-use eesd_models::testing::{tiny_config, tiny_gguf_bytes};
-use eesd_models::{Llama, LoadOptions, LoadedModel};
+use eesd_models::Llama;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use statrs::distribution::{ChiSquared, ContinuousCDF};
-
-fn tiny(seed: u64) -> Llama {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tiny.gguf");
-    std::fs::write(&path, tiny_gguf_bytes(&tiny_config(), seed)).unwrap();
-    LoadedModel::load(&path, &device(), &LoadOptions::default())
-        .unwrap()
-        .model
-}
 
 const PROMPT: [u32; 6] = [257, 72, 101, 108, 108, 111];
 
@@ -214,25 +203,6 @@ fn histogram(model: &Llama, drafter: Option<&str>, position: usize, runs: u64) -
         counts[out.tokens[position] as usize] += 1;
     }
     counts
-}
-
-/// p-value of the chi-square test that two samples come from one distribution.
-fn homogeneity_p(a: &[usize], b: &[usize]) -> f64 {
-    let (na, nb) = (
-        a.iter().sum::<usize>() as f64,
-        b.iter().sum::<usize>() as f64,
-    );
-    let (mut stat, mut df) = (0.0, 0);
-    for (&x, &y) in a.iter().zip(b) {
-        let total = (x + y) as f64;
-        if total < 5.0 {
-            continue;
-        }
-        let (ea, eb) = (total * na / (na + nb), total * nb / (na + nb));
-        stat += (x as f64 - ea).powi(2) / ea + (y as f64 - eb).powi(2) / eb;
-        df += 1;
-    }
-    1.0 - ChiSquared::new((df - 1).max(1) as f64).unwrap().cdf(stat)
 }
 
 #[test]

@@ -207,3 +207,34 @@ pub fn spec_bench(n: usize) -> Vec<Question> {
     }
     picked
 }
+
+/// A tiny random LLaMA (see `eesd_models::testing`), loaded through the GGUF path.
+pub fn tiny(seed: u64) -> eesd_models::Llama {
+    use eesd_models::testing::{tiny_config, tiny_gguf_bytes};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    std::fs::write(&path, tiny_gguf_bytes(&tiny_config(), seed)).unwrap();
+    LoadedModel::load(&path, &device(), &LoadOptions::default())
+        .unwrap()
+        .model
+}
+
+/// p-value of the chi-square test that two samples come from one distribution.
+pub fn homogeneity_p(a: &[usize], b: &[usize]) -> f64 {
+    use statrs::distribution::{ChiSquared, ContinuousCDF};
+    let (na, nb) = (
+        a.iter().sum::<usize>() as f64,
+        b.iter().sum::<usize>() as f64,
+    );
+    let (mut stat, mut df) = (0.0, 0);
+    for (&x, &y) in a.iter().zip(b) {
+        let total = (x + y) as f64;
+        if total < 5.0 {
+            continue;
+        }
+        let (ea, eb) = (total * na / (na + nb), total * nb / (na + nb));
+        stat += (x as f64 - ea).powi(2) / ea + (y as f64 - eb).powi(2) / eb;
+        df += 1;
+    }
+    1.0 - ChiSquared::new((df - 1).max(1) as f64).unwrap().cdf(stat)
+}
