@@ -248,9 +248,7 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
                 break StopReason::ContextFull;
             }
             let t0 = Instant::now();
-            let h = m
-                .forward_layers(m.embed(&input).map_err(model_err)?, 0..layers, &mut cache)
-                .map_err(model_err)?;
+            let h = forward_tokens(m, &input, 0..layers, &mut cache)?;
             let last = h.narrow(0, input.len() - 1, 1);
             let logits = host(m.logits(last))?;
             let next = sampler.sample(&logits, &config.sampling);
@@ -295,13 +293,7 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
         // drafts, so an attention head's cache never has gaps.
         let mut pending_head: Vec<Tensor<2>> = Vec::new();
         if p > 1 {
-            let h = m
-                .forward_layers(
-                    m.embed(&prompt[..p - 1]).map_err(model_err)?,
-                    lower.clone(),
-                    &mut cache,
-                )
-                .map_err(model_err)?;
+            let h = forward_tokens(m, &prompt[..p - 1], lower.clone(), &mut cache)?;
             pending_head.push(h.clone());
             m.forward_layers(h, upper.clone(), &mut cache)
                 .map_err(model_err)?;
@@ -326,7 +318,7 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
 
             // Draft: layers [0, N) and the head, one token at a time, while the policy says so.
             let draft_start = Instant::now();
-            let h0 = lower_pass(m, t0, &lower, &mut cache)?;
+            let h0 = forward_tokens(m, &[t0], lower.clone(), &mut cache)?;
             let mut hidden = vec![h0.clone()];
             let mut drafts: Vec<u32> = Vec::new();
             let mut draft_probs: Vec<Vec<f32>> = Vec::new();
@@ -370,7 +362,7 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
                     }
                     let go_on = drafts.len() < cap && decision == Decision::Continue;
                     // The block to verify needs the layer-N state of every drafted token.
-                    let h = lower_pass(m, token, &lower, &mut cache)?;
+                    let h = forward_tokens(m, &[token], lower.clone(), &mut cache)?;
                     hidden.push(h.clone());
                     if !go_on {
                         break;
@@ -458,13 +450,7 @@ fn run_tree<M: LayeredModel, F: FnMut(&[u32]) -> ControlFlow<()>>(
     let start = Instant::now();
     let p = prompt.len();
     if p > 1 {
-        let h = m
-            .forward_layers(
-                m.embed(&prompt[..p - 1]).map_err(model_err)?,
-                all.clone(),
-                &mut cache,
-            )
-            .map_err(model_err)?;
+        let h = forward_tokens(m, &prompt[..p - 1], all.clone(), &mut cache)?;
         if wanted > 0 {
             // What the target expects after the last prompt tokens seeds the drafter.
             let seen = (p - 1).min(PREFILL_OBSERVED_ROWS);
@@ -545,14 +531,15 @@ fn run_tree<M: LayeredModel, F: FnMut(&[u32]) -> ControlFlow<()>>(
     Ok((out.tokens, reason))
 }
 
-/// One token through layers `[0, N)`: its layer-N hidden state, with the lower caches advanced.
-fn lower_pass<M: LayeredModel>(
+/// Token ids through `layers`: their hidden states after the last of them, with those layers'
+/// caches advanced.
+fn forward_tokens<M: LayeredModel>(
     m: &M,
-    token: u32,
-    lower: &std::ops::Range<usize>,
+    tokens: &[u32],
+    layers: std::ops::Range<usize>,
     cache: &mut M::Cache,
 ) -> Result<Tensor<2>> {
-    m.forward_layers(m.embed(&[token]).map_err(model_err)?, lower.clone(), cache)
+    m.forward_layers(m.embed(tokens).map_err(model_err)?, layers, cache)
         .map_err(model_err)
 }
 

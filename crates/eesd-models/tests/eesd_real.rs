@@ -33,11 +33,7 @@ fn eos() -> Vec<u32> {
 fn greedy_eesd_matches_the_golden_continuations() {
     let random = RandomHead::new(&model().model, 2048, 1);
     for (i, g) in golden().iter().enumerate() {
-        let n = g
-            .greedy_top2_margins
-            .iter()
-            .position(|&x| x < 0.02)
-            .map_or(g.greedy_ids.len(), |p| p + 1);
+        let n = g.reliable_len();
         let policy = POLICIES[i % POLICIES.len()];
         for (exit, head_name) in [(6, "norm"), (15, "random")] {
             let config = GenerationConfig {

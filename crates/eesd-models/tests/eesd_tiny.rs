@@ -7,7 +7,7 @@ mod common;
 use std::ops::ControlFlow;
 
 use burn::tensor::Tensor;
-use common::{POLICIES, RandomHead, homogeneity_p, tiny};
+use common::{POLICIES, RandomHead, assert_same_distribution, tiny};
 use eesd_bandit::Policy;
 use eesd_core::{
     CoreError, DraftHead, GenerationConfig, GenerationOutput, Generator, LayeredModel, Mode,
@@ -199,17 +199,7 @@ fn eesd_sampling_has_the_ar_distribution() {
                 histogram(&model, &small, Mode::Eesd, position, 3000),
             ),
         ] {
-            let p = homogeneity_p(&ar, &eesd);
-            let tv: f64 = ar
-                .iter()
-                .zip(&eesd)
-                .map(|(&a, &b)| (a as f64 - b as f64).abs())
-                .sum::<f64>()
-                / 6000.0;
-            assert!(
-                p > 1e-3 && tv < 0.06,
-                "token {position}, {name}: chi-square p = {p}, TV = {tv}"
-            );
+            assert_same_distribution(&ar, &eesd, &format!("token {position}, {name}"));
         }
     }
 }

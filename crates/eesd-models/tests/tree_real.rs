@@ -53,11 +53,7 @@ fn greedy_tree_speculation_matches_the_golden_continuations() {
     let mut gens = generators();
     for g in golden() {
         // Up to the first near-tie of the reference (another engine's rounding may flip it).
-        let n = g
-            .greedy_top2_margins
-            .iter()
-            .position(|&x| x < 0.02)
-            .map_or(g.greedy_ids.len(), |p| p + 1);
+        let n = g.reliable_len();
         let base = GenerationConfig {
             max_new_tokens: g.greedy_ids.len(),
             stop_tokens: eos(),

@@ -124,12 +124,19 @@ impl TokenRecycling {
 
     /// The tree shape used for `budget` nodes.
     pub fn shape(&mut self, budget: usize) -> &TreeShape {
-        if let Some(i) = self.shapes.iter().position(|s| s.len() == budget) {
-            return &self.shapes[i];
+        let i = self.shape_index(budget);
+        &self.shapes[i]
+    }
+
+    /// Index in `shapes` of the shape of `budget` nodes, computed on first use.
+    fn shape_index(&mut self, budget: usize) -> usize {
+        match self.shapes.iter().position(|s| s.len() == budget) {
+            Some(i) => i,
+            None => {
+                self.shapes.push(TreeShape::best_first(budget, self.k));
+                self.shapes.len() - 1
+            }
         }
-        self.shapes.push(TreeShape::best_first(budget, self.k));
-        let last = self.shapes.len() - 1;
-        &self.shapes[last]
     }
 }
 
@@ -143,7 +150,8 @@ impl Drafter for TokenRecycling {
         let Some(&root) = context.last() else {
             return tree;
         };
-        let shape = self.shape(budget).clone();
+        let index = self.shape_index(budget);
+        let shape = &self.shapes[index];
         // Tree node of each shape node (None: not drafted, nor its subtree).
         let mut placed: Vec<Option<usize>> = Vec::with_capacity(shape.len());
         for &(parent, rank) in shape.nodes() {

@@ -20,6 +20,17 @@ pub struct Golden {
     pub greedy_text: String,
 }
 
+impl Golden {
+    /// Reference tokens worth comparing: up to the first step whose top-2 margin is tiny (another
+    /// engine's rounding may flip the order there).
+    pub fn reliable_len(&self) -> usize {
+        self.greedy_top2_margins
+            .iter()
+            .position(|&x| x < 0.02)
+            .map_or(self.greedy_ids.len(), |p| p + 1)
+    }
+}
+
 fn workspace_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
@@ -237,4 +248,24 @@ pub fn homogeneity_p(a: &[usize], b: &[usize]) -> f64 {
         df += 1;
     }
     1.0 - ChiSquared::new((df - 1).max(1) as f64).unwrap().cdf(stat)
+}
+
+/// Asserts that two equally sized samples of token counts come from one distribution:
+/// chi-square homogeneity p > 1e-3 and total variation < 0.06.
+pub fn assert_same_distribution(a: &[usize], b: &[usize], what: &str) {
+    let p = homogeneity_p(a, b);
+    let (na, nb) = (
+        a.iter().sum::<usize>() as f64,
+        b.iter().sum::<usize>() as f64,
+    );
+    let tv: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(&x, &y)| (x as f64 / na - y as f64 / nb).abs())
+        .sum::<f64>()
+        / 2.0;
+    assert!(
+        p > 1e-3 && tv < 0.06,
+        "{what}: chi-square p = {p}, TV = {tv}"
+    );
 }
