@@ -119,13 +119,18 @@ pub fn exp(x: f32) -> f32 {
     // Round to nearest through the 1.5·2^23 trick (no rounding instruction needed).
     const SHIFT: f32 = 12_582_912.0;
     let x = x.clamp(-87.3, 88.7);
-    let n = (x * LOG2E + SHIFT) - SHIFT;
+    // `shifted` holds n = round(x·log2 e) in its low mantissa bits, so 2^n is built with integer
+    // vector operations: a float-to-int `as` cast would be scalar (it saturates and maps NaN).
+    let shifted = x * LOG2E + SHIFT;
+    let n = shifted - SHIFT;
     let r = (x - n * LN2_HI) - n * LN2_LO;
     let p = 1.0
         + r * (1.0
             + r * (0.5
                 + r * (0.166_666_67 + r * (0.041_666_38 + r * (0.008_333_6 + r * 0.001_388_9)))));
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    let scale = f32::from_bits(
+        (shifted.to_bits().wrapping_sub(SHIFT.to_bits()).wrapping_add(127)) << 23,
+    );
     let y = p * scale;
     // clamp() keeps NaN; the exponent trick would turn it into a number.
     if x.is_nan() { x } else { y }
@@ -149,6 +154,24 @@ mod tests {
         assert!(exp(-200.0) < 1.3e-38 && exp(-1e30) < 1.3e-38);
         assert_eq!(exp(100.0), f32::INFINITY);
         assert!(exp(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn exp_builds_two_to_the_n_as_a_cast_would() {
+        // The exponent bits taken from the shifted sum equal `n as i32` for every n the
+        // clamped range gives: the same bits as the earlier (scalar) cast.
+        let cast = |x: f32| {
+            let x = x.clamp(-87.3, 88.7);
+            let n = (x * std::f32::consts::LOG2_E + 12_582_912.0) - 12_582_912.0;
+            f32::from_bits(((n as i32 + 127) as u32) << 23)
+        };
+        let mut x = -100.0f32;
+        while x < 100.0 {
+            let shifted = x.clamp(-87.3, 88.7) * std::f32::consts::LOG2_E + 12_582_912.0;
+            let bits = shifted.to_bits().wrapping_sub(12_582_912f32.to_bits());
+            assert_eq!(f32::from_bits(bits.wrapping_add(127) << 23), cast(x), "{x}");
+            x += 0.0071;
+        }
     }
 
     #[test]
