@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! cargo run --release --example generate -- --prompt "What is the capital of France?"
-//! cargo run --release --example generate -- --mode tree --drafter fused@8:4 --prompt "Hi"
+//! cargo run --release --example generate -- --mode tree --drafter opt@8 --prompt "Hi"
 //! cargo run --release --example generate -- --prompt-ids 1,9690,198 --max-new-tokens 16 --json
 //! ```
 //! `--mode compare` (the default) runs AR, EESD and tree speculation on the same prompt and
@@ -38,9 +38,10 @@ struct Args {
     /// ar, eesd, tree, or compare (AR, EESD and tree on the same prompt, with speedups).
     #[arg(long, default_value = "compare")]
     mode: String,
-    /// Drafter of tree speculation: recycle@B (Token Recycling), lookup@B (context lookup) or
-    /// fused@B[:L] (lookup capped at L nodes fused with recycling), B = nodes per tree.
-    #[arg(long, default_value = "fused@8:4")]
+    /// Drafter of tree speculation: recycle@B (Token Recycling), lookup@B (context lookup),
+    /// fused@B[:L] (lookup capped at L nodes fused with recycling) or opt@B (adaptive tree from
+    /// both, OPT-Tree), B = nodes per tree.
+    #[arg(long, default_value = "opt@8")]
     drafter: DrafterSpec,
     /// Exit layer N for EESD (default: the trained head's layer, or 8 with `--head norm`).
     #[arg(long)]

@@ -1,4 +1,5 @@
-//! Spec-Bench: AR against EESD methods on the same questions, greedy, in one run.
+//! Spec-Bench: AR against EESD and tree speculation methods on the same questions, greedy, in
+//! one run.
 //!
 //! ```text
 //! cargo run --release --example spec_bench -- --questions ../shared/data/spec_bench.jsonl \
@@ -7,7 +8,8 @@
 //! A method is `HEAD[@LAYER]/POLICY`; HEAD is `shipped`, the path prefix of a trained head
 //! checkpoint, `norm@LAYER` (parameter-free), or `oracle:A[+HEAD]` — the work of HEAD (default
 //! the shipped head) with drafts that agree with AR at rate A (see `oracle.rs`; it measures the
-//! ceiling a head of that quality would reach). For every question the methods run right after
+//! ceiling a head of that quality would reach). Tree speculation methods name a drafter instead:
+//! `recycle@B`, `lookup@B`, `fused@B[:L]` or `opt@B` (`DrafterSpec`). For every question the methods run right after
 //! AR on the same prompt (first turn, chat template), so machine drift cancels in the speedup, and
 //! every method's tokens are compared with AR's: `divergences` must be 0.
 
@@ -46,7 +48,7 @@ struct Args {
     /// trained head in assets/heads), a checkpoint prefix, `norm@LAYER` (the parameter-free
     /// baseline) or `oracle:A[+HEAD]` (HEAD's cost, default shipped; AR's token with
     /// probability A); POLICY as `Policy::parse` (fixed:K, threshold:T, beta-ts, calibrated-ts,
-    /// cost-ts).
+    /// cost-ts). Or a tree drafter: `recycle@B`, `lookup@B`, `fused@B[:L]`, `opt@B`.
     #[arg(
         long,
         value_delimiter = ',',
@@ -100,10 +102,8 @@ enum Runner<'a> {
 /// `assets/heads`), a checkpoint prefix or `oracle:A[+HEAD]`; a trained head's layer defaults to
 /// its own.
 fn parse_method(spec: &str, seed: u64, lm: &LoadedModel, model_sha: &str) -> Result<Method> {
-    if ["recycle", "lookup", "fused"]
-        .iter()
-        .any(|d| spec.split('@').next() == Some(*d))
-    {
+    // Exit-head methods name a policy after a '/'; tree drafters never do.
+    if !spec.contains('/') {
         return Ok(Method {
             name: spec.to_string(),
             kind: Kind::Tree(spec.parse()?),

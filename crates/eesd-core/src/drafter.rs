@@ -25,9 +25,18 @@ pub trait Drafter {
     }
 
     /// The target's most likely next tokens (best first) after `token` at one verified
-    /// position. Called for every row the target computed, accepted or not.
-    fn observe(&mut self, token: u32, candidates: &[u32]) {
-        let _ = (token, candidates);
+    /// position, with their logits (`logits[i]` is `candidates[i]`'s). Called for every row
+    /// the target computed, accepted or not.
+    fn observe(&mut self, token: u32, candidates: &[u32], logits: &[f32]) {
+        let _ = (token, candidates, logits);
+    }
+
+    /// After a round's verification: the tree that was verified (the one this drafter proposed,
+    /// possibly cut shorter) and the target's most likely token at each of its rows (`best[0]`
+    /// after the root, `best[i + 1]` after node `i`). Called before that round's
+    /// [`Drafter::observe`] calls.
+    fn verified(&mut self, tree: &DraftTree, best: &[u32]) {
+        let _ = (tree, best);
     }
 }
 
@@ -41,8 +50,11 @@ impl<D: Drafter + ?Sized> Drafter for Box<D> {
     fn candidates_wanted(&self) -> usize {
         (**self).candidates_wanted()
     }
-    fn observe(&mut self, token: u32, candidates: &[u32]) {
-        (**self).observe(token, candidates)
+    fn observe(&mut self, token: u32, candidates: &[u32], logits: &[f32]) {
+        (**self).observe(token, candidates, logits)
+    }
+    fn verified(&mut self, tree: &DraftTree, best: &[u32]) {
+        (**self).verified(tree, best)
     }
 }
 

@@ -456,7 +456,7 @@ fn run_tree<M: LayeredModel, F: FnMut(&[u32]) -> ControlFlow<()>>(
             let seen = (p - 1).min(PREFILL_OBSERVED_ROWS);
             let logits = rows(host(m.logits(h.narrow(0, p - 1 - seen, seen)))?, vocab);
             for (&token, row) in prompt[p - 1 - seen..].iter().zip(&logits) {
-                drafter.observe(token, &top_k(row, wanted));
+                observe_row(drafter, token, row, wanted);
             }
         }
     }
@@ -512,9 +512,11 @@ fn run_tree<M: LayeredModel, F: FnMut(&[u32]) -> ControlFlow<()>>(
         let verify_seconds = verify_start.elapsed().as_secs_f64();
 
         let observe_start = Instant::now();
+        let best: Vec<u32> = target.iter().map(|row| argmax(row) as u32).collect();
+        drafter.verified(&tree, &best);
         if wanted > 0 {
             for (&token, row) in tokens.iter().zip(&target) {
-                drafter.observe(token, &top_k(row, wanted));
+                observe_row(drafter, token, row, wanted);
             }
         }
         stats.draft_seconds += draft_seconds + observe_start.elapsed().as_secs_f64();
@@ -529,6 +531,13 @@ fn run_tree<M: LayeredModel, F: FnMut(&[u32]) -> ControlFlow<()>>(
         context.extend_from_slice(&block);
     };
     Ok((out.tokens, reason))
+}
+
+/// Shows the drafter the target's `wanted` best next tokens (with logits) after `token`.
+fn observe_row(drafter: &mut dyn Drafter, token: u32, row: &[f32], wanted: usize) {
+    let best = top_k(row, wanted);
+    let logits: Vec<f32> = best.iter().map(|&t| row[t as usize]).collect();
+    drafter.observe(token, &best, &logits);
 }
 
 /// Token ids through `layers`: their hidden states after the last of them, with those layers'

@@ -1,5 +1,5 @@
 //! Lossless tree speculation on the real model: greedy output with every drafter (Token
-//! Recycling, context lookup, their fusion, at several node budgets) is token-identical to
+//! Recycling, context lookup, their fusion at several node budgets, and the adaptive tree) is token-identical to
 //! greedy AR on SmolLM2-135M, for the golden prompts and 20 Spec-Bench questions × 128 tokens.
 //! Each drafter lives in one generator for the whole test, so Token Recycling's matrix carries
 //! over from question to question as it does in use.
@@ -13,7 +13,7 @@ use eesd_core::drafters::DrafterSpec;
 use eesd_core::{GenerationConfig, GenerationOutput, Generator, Mode};
 use eesd_models::Llama;
 
-const DRAFTERS: [&str; 4] = ["recycle@16", "lookup@8", "fused@16", "fused@32:8"];
+const DRAFTERS: [&str; 5] = ["recycle@16", "lookup@8", "fused@16", "fused@32:8", "opt@8"];
 
 fn eos() -> Vec<u32> {
     model().tokenizer.eos_token_id().into_iter().collect()

@@ -52,12 +52,19 @@ impl Drafter for Fused {
             .unwrap_or(0)
     }
 
-    fn observe(&mut self, token: u32, candidates: &[u32]) {
+    fn observe(&mut self, token: u32, candidates: &[u32], logits: &[f32]) {
         for (drafter, _) in &mut self.parts {
             let wanted = drafter.candidates_wanted();
             if wanted > 0 {
-                drafter.observe(token, &candidates[..wanted.min(candidates.len())]);
+                let n = wanted.min(candidates.len()).min(logits.len());
+                drafter.observe(token, &candidates[..n], &logits[..n]);
             }
+        }
+    }
+
+    fn verified(&mut self, tree: &DraftTree, best: &[u32]) {
+        for (drafter, _) in &mut self.parts {
+            drafter.verified(tree, best);
         }
     }
 }
@@ -70,7 +77,7 @@ mod tests {
     #[test]
     fn merges_in_order_under_one_budget() {
         let mut recycle = TokenRecycling::new(16, 2);
-        recycle.observe(2, &[9, 3]);
+        recycle.observe(2, &[9, 3], &[2.0, 1.0]);
         let mut f = Fused::new(vec![
             (Box::new(ContextLookup::new(1, 1, 4, 1)), 3),
             (Box::new(recycle), 8),
@@ -81,7 +88,7 @@ mod tests {
         assert_eq!(f.propose(&[2, 9, 5, 2], 2).len(), 2);
         assert_eq!(f.candidates_wanted(), 2);
         assert_eq!(f.name(), "lookup:3+recycle:8");
-        f.observe(5, &[1, 2, 3]);
+        f.observe(5, &[1, 2, 3], &[3.0, 2.0, 1.0]);
         assert_eq!(f.propose(&[4, 5], 8).tokens(), &[1, 2, 9]);
     }
 }

@@ -37,6 +37,28 @@ impl ContextLookup {
     }
 }
 
+impl ContextLookup {
+    /// Earlier occurrences of the context's last `n` tokens, longest `n` first and latest
+    /// first: `(n, start)`, where what followed the occurrence begins at `context[start]`
+    /// (always before the end of the context).
+    pub fn matches<'c>(&self, context: &'c [u32]) -> impl Iterator<Item = (usize, usize)> + 'c {
+        let len = context.len();
+        let longest = self.max_ngram.min(len.saturating_sub(1));
+        (self.min_ngram..=longest).rev().flat_map(move |n| {
+            let pattern = &context[len - n..];
+            (0..len - n)
+                .rev()
+                .filter(move |&i| &context[i..i + n] == pattern)
+                .map(move |i| (n, i + n))
+        })
+    }
+
+    /// The longest continuation drafted per match.
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+}
+
 impl Drafter for ContextLookup {
     fn name(&self) -> String {
         "lookup".into()
@@ -44,22 +66,14 @@ impl Drafter for ContextLookup {
 
     fn propose(&mut self, context: &[u32], budget: usize) -> DraftTree {
         let mut tree = DraftTree::new();
-        let len = context.len();
         let mut branches = 0;
-        for n in (self.min_ngram..=self.max_ngram.min(len.saturating_sub(1))).rev() {
-            let pattern = &context[len - n..];
-            // Earlier occurrences starting at i, followed by at least one token.
-            for i in (0..len - n).rev() {
-                if &context[i..i + n] != pattern {
-                    continue;
-                }
-                let follow = &context[i + n..(i + n + self.max_len).min(len)];
-                let before = tree.len();
-                tree.merge(&DraftTree::chain(follow), budget);
-                branches += usize::from(tree.len() > before);
-                if branches >= self.branches || tree.len() >= budget {
-                    return tree;
-                }
+        for (_, at) in self.matches(context) {
+            let follow = &context[at..(at + self.max_len).min(context.len())];
+            let before = tree.len();
+            tree.merge(&DraftTree::chain(follow), budget);
+            branches += usize::from(tree.len() > before);
+            if branches >= self.branches || tree.len() >= budget {
+                break;
             }
         }
         tree
@@ -84,5 +98,7 @@ mod tests {
         // No match, or nothing to match: no drafts.
         assert!(l.propose(&[4, 5, 6], 8).is_empty());
         assert!(l.propose(&[4], 8).is_empty());
+        let found: Vec<_> = l.matches(&ctx).collect();
+        assert_eq!(found[..3], [(2, 7), (2, 2), (1, 7)]);
     }
 }

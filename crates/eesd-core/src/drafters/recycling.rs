@@ -18,6 +18,8 @@ use crate::tree::DraftTree;
 
 /// Marks an adjacency entry that was never observed.
 const UNKNOWN: u32 = u32::MAX;
+/// The logit gap of a candidate recorded without logits (finite, so it serialises as JSON).
+const UNKNOWN_GAP: f32 = f32::MAX;
 
 /// A static tree of rank paths: node `i` is candidate `rank` after node `parent` (`None`: the
 /// root), parents before children, best-first.
@@ -88,6 +90,10 @@ pub struct TokenRecycling {
     vocab: usize,
     /// `[vocab][k]` next-token candidates, best first; [`UNKNOWN`] where none was seen.
     next: Vec<u32>,
+    /// `[vocab][k]` how far each candidate's logit fell below the best one's (for the best:
+    /// how far the second fell below it), the target's confidence when it was recorded.
+    #[serde(default)]
+    gaps: Vec<f32>,
     /// Shapes by budget, computed on first use.
     #[serde(skip)]
     shapes: Vec<TreeShape>,
@@ -102,6 +108,7 @@ impl TokenRecycling {
             k,
             vocab,
             next: vec![UNKNOWN; vocab * k],
+            gaps: vec![UNKNOWN_GAP; vocab * k],
             shapes: Vec::new(),
         }
     }
@@ -120,6 +127,19 @@ impl TokenRecycling {
         let row = &self.next[t * self.k..(t + 1) * self.k];
         let known = row.iter().position(|&c| c == UNKNOWN).unwrap_or(self.k);
         &row[..known]
+    }
+
+    /// The recorded candidates after `token`, best first, each with its logit gap: how far
+    /// its logit fell below the best candidate's, and for the best how far the second fell
+    /// below it ([`f32::MAX`] when unknown, e.g. in a matrix saved without gaps).
+    pub fn scored(&self, token: u32) -> impl Iterator<Item = (u32, f32)> + '_ {
+        let start = token as usize * self.k;
+        let gaps = self.gaps.get(start..start + self.k).unwrap_or(&[]);
+        let gap = move |rank: usize| gaps.get(rank).copied().unwrap_or(UNKNOWN_GAP);
+        self.candidates(token)
+            .iter()
+            .enumerate()
+            .map(move |(rank, &c)| (c, gap(rank)))
     }
 
     /// The tree shape used for `budget` nodes.
@@ -178,16 +198,29 @@ impl Drafter for TokenRecycling {
         self.k
     }
 
-    fn observe(&mut self, token: u32, candidates: &[u32]) {
+    fn observe(&mut self, token: u32, candidates: &[u32], logits: &[f32]) {
         let t = token as usize;
         if t >= self.vocab {
             return;
         }
-        let row = &mut self.next[t * self.k..(t + 1) * self.k];
+        if self.gaps.len() != self.next.len() {
+            self.gaps = vec![UNKNOWN_GAP; self.next.len()];
+        }
+        let (k, vocab) = (self.k, self.vocab);
+        let row = &mut self.next[t * k..(t + 1) * k];
+        let gaps = &mut self.gaps[t * k..(t + 1) * k];
         row.fill(UNKNOWN);
-        let valid = candidates.iter().filter(|&&c| (c as usize) < self.vocab);
-        for (slot, &c) in row.iter_mut().zip(valid) {
-            *slot = c;
+        gaps.fill(UNKNOWN_GAP);
+        let logit = |i: usize| logits.get(i).copied().unwrap_or(f32::NAN);
+        let valid = (0..candidates.len()).filter(|&i| (candidates[i] as usize) < vocab);
+        for (rank, i) in valid.take(k).enumerate() {
+            row[rank] = candidates[i];
+            // The best candidate's gap is its lead over the runner-up.
+            let gap = match i {
+                0 => logit(0) - logit(1),
+                _ => logit(0) - logit(i),
+            };
+            gaps[rank] = if gap.is_nan() { UNKNOWN_GAP } else { gap };
         }
     }
 }
@@ -215,16 +248,18 @@ mod tests {
     fn drafts_follow_recycled_candidates_and_skip_unknown_ones() {
         let mut r = TokenRecycling::new(10, 2);
         assert!(r.propose(&[1], 4).is_empty());
-        r.observe(1, &[2, 3]);
-        r.observe(2, &[4]);
+        r.observe(1, &[2, 3], &[5.0, 4.5]);
+        r.observe(2, &[4], &[1.0]);
         let tree = r.propose(&[7, 1], 8);
         let paths: Vec<Vec<u32>> = (0..tree.len()).map(|n| tree.path(n)).collect();
         assert!(paths.contains(&vec![2, 4]) && paths.contains(&vec![3]));
         assert_eq!(tree.len(), 3);
         // Out-of-vocabulary ids are ignored, never stored.
-        r.observe(99, &[1]);
-        r.observe(1, &[42, 5]);
-        assert_eq!(r.candidates(1), &[5]);
+        r.observe(99, &[1], &[0.0]);
+        r.observe(1, &[42, 5, 3], &[9.0, 6.0, 2.0]);
+        assert_eq!(r.candidates(1), &[5, 3]);
+        assert_eq!(r.scored(1).collect::<Vec<_>>(), vec![(5, 3.0), (3, 7.0)]);
+        assert_eq!(r.scored(2).collect::<Vec<_>>(), vec![(4, f32::MAX)]);
         let json = serde_json::to_string(&r).unwrap();
         let back: TokenRecycling = serde_json::from_str(&json).unwrap();
         assert_eq!(back.candidates(2), &[4]);

@@ -1,9 +1,9 @@
-//! Drafters named on command lines: `recycle@16`, `lookup@8`, `fused@16`, `fused@32:8`.
+//! Drafters named on command lines: `recycle@16`, `lookup@8`, `fused@16`, `fused@32:8`, `opt@8`.
 
 use std::fmt;
 use std::str::FromStr;
 
-use super::{ContextLookup, Fused, TokenRecycling};
+use super::{ContextLookup, Fused, OptTree, TokenRecycling};
 use crate::drafter::Drafter;
 use crate::error::CoreError;
 
@@ -31,6 +31,9 @@ pub enum DrafterKind {
         /// Node cap of the lookup chain.
         lookup: usize,
     },
+    /// [`OptTree`]: recycling and lookup candidates rated online, the tree of most expected
+    /// accepted tokens.
+    Opt,
 }
 
 impl DrafterSpec {
@@ -44,6 +47,7 @@ impl DrafterSpec {
                 (Box::new(lookup(cap)), cap),
                 (Box::new(TokenRecycling::new(vocab, RECYCLE_K)), self.budget),
             ])),
+            DrafterKind::Opt => Box::new(OptTree::new(vocab, RECYCLE_K, self.budget)),
         }
     }
 }
@@ -51,12 +55,12 @@ impl DrafterSpec {
 impl FromStr for DrafterSpec {
     type Err = CoreError;
 
-    /// `recycle@B`, `lookup@B` or `fused@B[:L]` (lookup capped at `L` nodes, default `B / 2`);
-    /// `B` defaults to 16.
+    /// `recycle@B`, `lookup@B`, `fused@B[:L]` (lookup capped at `L` nodes, default `B / 2`) or
+    /// `opt@B`; `B` defaults to 16.
     fn from_str(s: &str) -> Result<Self, CoreError> {
         let bad = |why: &str| {
             CoreError::InvalidConfig(format!(
-                "drafter `{s}`: {why} (expected recycle@B, lookup@B or fused@B[:L])"
+                "drafter `{s}`: {why} (expected recycle@B, lookup@B, fused@B[:L] or opt@B)"
             ))
         };
         let (name, rest) = s.split_once('@').unwrap_or((s, "16"));
@@ -71,6 +75,7 @@ impl FromStr for DrafterSpec {
         let kind = match (name, lookup) {
             ("recycle", None) => DrafterKind::Recycle,
             ("lookup", None) => DrafterKind::Lookup,
+            ("opt", None) => DrafterKind::Opt,
             ("fused", l) => DrafterKind::Fused {
                 lookup: l.unwrap_or(budget / 2).min(budget),
             },
@@ -86,6 +91,7 @@ impl fmt::Display for DrafterSpec {
             DrafterKind::Recycle => write!(f, "recycle@{}", self.budget),
             DrafterKind::Lookup => write!(f, "lookup@{}", self.budget),
             DrafterKind::Fused { lookup } => write!(f, "fused@{}:{lookup}", self.budget),
+            DrafterKind::Opt => write!(f, "opt@{}", self.budget),
         }
     }
 }
@@ -96,13 +102,13 @@ mod tests {
 
     #[test]
     fn parses_and_prints_specs() {
-        for s in ["recycle@16", "lookup@8", "fused@32:8"] {
+        for s in ["recycle@16", "lookup@8", "fused@32:8", "opt@8"] {
             assert_eq!(s.parse::<DrafterSpec>().unwrap().to_string(), s);
         }
         let fused: DrafterSpec = "fused@16".parse().unwrap();
         assert_eq!(fused.kind, DrafterKind::Fused { lookup: 8 });
         assert_eq!("recycle".parse::<DrafterSpec>().unwrap().budget, 16);
-        for bad in ["tree@4", "recycle@x", "lookup@4:2", "fused@8:y"] {
+        for bad in ["tree@4", "recycle@x", "lookup@4:2", "fused@8:y", "opt@8:2"] {
             assert!(bad.parse::<DrafterSpec>().is_err(), "{bad}");
         }
         assert_eq!(fused.build(100).name(), "lookup:8+recycle:16");

@@ -129,7 +129,11 @@ pub fn exp(x: f32) -> f32 {
             + r * (0.5
                 + r * (0.166_666_67 + r * (0.041_666_38 + r * (0.008_333_6 + r * 0.001_388_9)))));
     let scale = f32::from_bits(
-        (shifted.to_bits().wrapping_sub(SHIFT.to_bits()).wrapping_add(127)) << 23,
+        (shifted
+            .to_bits()
+            .wrapping_sub(SHIFT.to_bits())
+            .wrapping_add(127))
+            << 23,
     );
     let y = p * scale;
     // clamp() keeps NaN; the exponent trick would turn it into a number.

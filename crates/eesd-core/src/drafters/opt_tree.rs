@@ -1,0 +1,362 @@
+//! Adaptive draft trees (OPT-Tree, Wang et al., arXiv 2406.17276): each round's tree is the one
+//! that maximises the expected number of accepted tokens for the node budget, from the
+//! candidates of Token Recycling and context lookup rated by how often such candidates were
+//! right.
+//!
+//! The expected accepted length of a tree is the sum over its nodes of the probability that
+//! the node's whole path is accepted, and a path's probability is the product of its edges'
+//! (the chance that the target picks this token after its parent). Path probabilities only
+//! shrink along a path, so taking candidates best-first by path probability builds the optimal
+//! tree for any budget. Where a static shape spends the same nodes after a confident and an
+//! unsure token, this tree runs deep along confident candidates and spreads out where the
+//! target hesitated.
+//!
+//! An edge's probability is learnt online per kind of edge: a recycled candidate by its rank
+//! and the target's confidence when it was recorded (the gap between its logit and the best
+//! one's), a lookup step by the n-gram length it matched and how far along the match it is, and
+//! tokens both sources propose. Every verified row tells, for every candidate offered after
+//! that row (drafted or not), whether it was the target's choice; rates forget slowly so they
+//! follow the task at hand.
+
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
+
+use super::{ContextLookup, TokenRecycling, TreeShape};
+use crate::drafter::Drafter;
+use crate::tree::DraftTree;
+
+/// Upper bounds of the logit-gap bins of recycled candidates (the last bin is open).
+const GAP_BINS: [f32; 5] = [0.5, 1.0, 2.0, 3.0, 5.0];
+/// Recycled ranks rated separately; deeper ranks share the last rate.
+const RANKS: usize = 8;
+/// Lookup n-gram lengths and steps rated separately; longer ones share the last rate.
+const LOOKUP_NS: usize = 3;
+const LOOKUP_STEPS: usize = 4;
+/// Recycled ranks rated separately when lookup proposes the same token.
+const BOTH_RANKS: usize = 3;
+/// Pseudo-observations of each rate's prior.
+const PRIOR_WEIGHT: f64 = 8.0;
+/// Weight kept by earlier observations of a rate at each new one (about the last 200 count).
+const FORGET: f64 = 0.995;
+
+/// The kind of a candidate edge, the unit whose acceptance rate is learnt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Edge {
+    /// The recycled candidate of `rank`, recorded with its logit gap in bin `gap`.
+    Recycled { rank: usize, gap: usize },
+    /// Step `step` (0: the first drafted token) of a lookup continuation matched on `n` tokens.
+    Lookup { n: usize, step: usize },
+    /// A lookup token that is also the recycled candidate of `rank`.
+    Both { n: usize, rank: usize },
+}
+
+impl Edge {
+    const COUNT: usize =
+        RANKS * (GAP_BINS.len() + 1) + LOOKUP_NS * LOOKUP_STEPS + LOOKUP_NS * BOTH_RANKS;
+
+    fn recycled(rank: usize, gap: f32) -> Edge {
+        let gap = GAP_BINS
+            .iter()
+            .position(|&b| gap < b)
+            .unwrap_or(GAP_BINS.len());
+        Edge::Recycled { rank, gap }
+    }
+
+    fn index(self) -> usize {
+        let recycled = RANKS * (GAP_BINS.len() + 1);
+        let lookup = LOOKUP_NS * LOOKUP_STEPS;
+        let n_index = |n: usize| n.clamp(1, LOOKUP_NS) - 1;
+        match self {
+            Edge::Recycled { rank, gap } => rank.min(RANKS - 1) * (GAP_BINS.len() + 1) + gap,
+            Edge::Lookup { n, step } => {
+                recycled + n_index(n) * LOOKUP_STEPS + step.min(LOOKUP_STEPS - 1)
+            }
+            Edge::Both { n, rank } => {
+                recycled + lookup + n_index(n) * BOTH_RANKS + rank.min(BOTH_RANKS - 1)
+            }
+        }
+    }
+
+    /// The rate assumed before any observation.
+    fn prior(self) -> f64 {
+        match self {
+            Edge::Recycled { rank, .. } => {
+                TreeShape::RANK_PRIOR.get(rank).copied().unwrap_or(0.005)
+            }
+            Edge::Lookup { .. } => 0.4,
+            Edge::Both { .. } => 0.6,
+        }
+    }
+}
+
+/// Acceptance rates per kind of edge: a Beta posterior mean with slow forgetting.
+#[derive(Debug, Clone)]
+struct EdgeRates {
+    hits: Vec<f64>,
+    seen: Vec<f64>,
+}
+
+impl EdgeRates {
+    fn new() -> Self {
+        EdgeRates {
+            hits: vec![0.0; Edge::COUNT],
+            seen: vec![0.0; Edge::COUNT],
+        }
+    }
+
+    fn rate(&self, edge: Edge) -> f64 {
+        let i = edge.index();
+        (self.hits[i] + edge.prior() * PRIOR_WEIGHT) / (self.seen[i] + PRIOR_WEIGHT)
+    }
+
+    fn record(&mut self, edge: Edge, hit: bool) {
+        let i = edge.index();
+        self.hits[i] = self.hits[i] * FORGET + f64::from(u8::from(hit));
+        self.seen[i] = self.seen[i] * FORGET + 1.0;
+    }
+}
+
+/// A candidate child: its token, its kind of edge, and its step along the lookup
+/// continuation when lookup proposed it.
+type Offer = (u32, Edge, Option<usize>);
+
+/// What the last proposal offered after each of its rows (0: the root, `i + 1`: node `i`).
+#[derive(Debug, Clone)]
+struct Proposal {
+    tree: DraftTree,
+    offered: Vec<Vec<Offer>>,
+}
+
+/// A candidate node in the best-first search: the probability that its whole path is
+/// accepted.
+struct Candidate {
+    path_probability: f64,
+    parent: Option<usize>,
+    offer: Offer,
+}
+
+impl PartialEq for Candidate {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for Candidate {}
+impl PartialOrd for Candidate {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Candidate {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.path_probability.total_cmp(&other.path_probability)
+    }
+}
+
+/// The adaptive tree drafter: Token Recycling and context lookup candidates, rated online and
+/// selected best-first by path probability.
+#[derive(Debug, Clone)]
+pub struct OptTree {
+    recycling: TokenRecycling,
+    lookup: ContextLookup,
+    rates: EdgeRates,
+    last: Option<Proposal>,
+}
+
+impl OptTree {
+    /// A drafter for a vocabulary of `vocab` tokens, recycling `k` candidates per token and
+    /// following lookup continuations of up to `lookup_len` tokens.
+    pub fn new(vocab: usize, k: usize, lookup_len: usize) -> Self {
+        OptTree {
+            recycling: TokenRecycling::new(vocab, k),
+            lookup: ContextLookup::new(3, 1, lookup_len, 1),
+            rates: EdgeRates::new(),
+            last: None,
+        }
+    }
+
+    /// The recycling matrix (it carries over between prompts).
+    pub fn recycling(&self) -> &TokenRecycling {
+        &self.recycling
+    }
+
+    /// The learnt probability that a recycled candidate of `rank`, recorded with logit gap
+    /// `gap`, is the target's next token.
+    pub fn recycled_rate(&self, rank: usize, gap: f32) -> f64 {
+        self.rates.rate(Edge::recycled(rank, gap))
+    }
+
+    /// The candidates after `token`: recycled ones, and `lookup` = (token, n, step) from the
+    /// lookup continuation, merged when they agree.
+    fn offers(&self, token: u32, lookup: Option<(u32, usize, usize)>) -> Vec<Offer> {
+        let mut offers: Vec<Offer> = self
+            .recycling
+            .scored(token)
+            .enumerate()
+            .map(|(rank, (c, gap))| (c, Edge::recycled(rank, gap), None))
+            .collect();
+        if let Some((t, n, step)) = lookup {
+            match offers.iter_mut().enumerate().find(|(_, o)| o.0 == t) {
+                Some((rank, offer)) => *offer = (t, Edge::Both { n, rank }, Some(step)),
+                None => offers.push((t, Edge::Lookup { n, step }, Some(step))),
+            }
+        }
+        offers
+    }
+}
+
+impl Drafter for OptTree {
+    fn name(&self) -> String {
+        "opt".into()
+    }
+
+    fn propose(&mut self, context: &[u32], budget: usize) -> DraftTree {
+        let mut tree = DraftTree::new();
+        let Some(&root) = context.last() else {
+            self.last = None;
+            return tree;
+        };
+        let (n, continuation) = match self.lookup.matches(context).next() {
+            Some((n, at)) => (
+                n,
+                &context[at..(at + self.lookup.max_len()).min(context.len())],
+            ),
+            None => (0, &context[..0]),
+        };
+        let lookup_at = |step: usize| continuation.get(step).map(|&t| (t, n, step));
+
+        let mut offered = vec![self.offers(root, lookup_at(0))];
+        let mut heap: BinaryHeap<Candidate> = offered[0]
+            .iter()
+            .map(|&offer| Candidate {
+                path_probability: self.rates.rate(offer.1),
+                parent: None,
+                offer,
+            })
+            .collect();
+        while tree.len() < budget {
+            let Some(best) = heap.pop() else { break };
+            let (token, _, step) = best.offer;
+            if tree.child(best.parent, token).is_some() {
+                continue;
+            }
+            let node = tree.push(token, best.parent);
+            let offers = self.offers(token, step.and_then(|s| lookup_at(s + 1)));
+            heap.extend(offers.iter().map(|&offer| Candidate {
+                path_probability: best.path_probability * self.rates.rate(offer.1),
+                parent: Some(node),
+                offer,
+            }));
+            offered.push(offers);
+        }
+        self.last = Some(Proposal {
+            tree: tree.clone(),
+            offered,
+        });
+        tree
+    }
+
+    fn candidates_wanted(&self) -> usize {
+        self.recycling.candidates_wanted()
+    }
+
+    fn observe(&mut self, token: u32, candidates: &[u32], logits: &[f32]) {
+        self.recycling.observe(token, candidates, logits);
+    }
+
+    fn verified(&mut self, tree: &DraftTree, best: &[u32]) {
+        let Some(last) = self.last.take() else {
+            return;
+        };
+        // The proposal's row for each verified row, matched by path.
+        let mut own: Vec<Option<usize>> = Vec::with_capacity(tree.len() + 1);
+        own.push(Some(0));
+        for (i, &token) in tree.tokens().iter().enumerate() {
+            let parent = match tree.parents()[i] {
+                None => Some(None),
+                Some(p) => own[p + 1].map(|row| Some(row - 1)),
+            };
+            own.push(
+                parent
+                    .and_then(|p| last.tree.child(p, token))
+                    .map(|node| node + 1),
+            );
+        }
+        // Edges count after rows the target reached: the root and the nodes whose whole path
+        // it confirmed (what follows a rejected node is not what a path probability needs).
+        let mut reached = vec![false; tree.len() + 1];
+        reached[0] = true;
+        for (i, &token) in tree.tokens().iter().enumerate() {
+            let parent_row = tree.parents()[i].map_or(0, |p| p + 1);
+            reached[i + 1] = reached[parent_row] && best.get(parent_row) == Some(&token);
+        }
+        for (row, mine) in own.iter().enumerate() {
+            let (Some(mine), Some(&choice), true) = (mine, best.get(row), reached[row]) else {
+                continue;
+            };
+            for &(token, edge, _) in &last.offered[*mine] {
+                self.rates.record(edge, token == choice);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn edge_kinds_have_distinct_indices() {
+        let mut seen = [false; Edge::COUNT];
+        for rank in 0..RANKS {
+            for gap in 0..=GAP_BINS.len() {
+                seen[Edge::Recycled { rank, gap }.index()] = true;
+            }
+        }
+        for n in 1..=LOOKUP_NS {
+            for step in 0..LOOKUP_STEPS {
+                seen[Edge::Lookup { n, step }.index()] = true;
+            }
+            for rank in 0..BOTH_RANKS {
+                seen[Edge::Both { n, rank }.index()] = true;
+            }
+        }
+        assert!(seen.iter().all(|&s| s));
+        assert_eq!(Edge::recycled(0, 0.2), Edge::Recycled { rank: 0, gap: 0 });
+        assert_eq!(Edge::recycled(1, 9.0), Edge::Recycled { rank: 1, gap: 5 });
+    }
+
+    #[test]
+    fn trees_follow_the_probable_paths_and_learn_from_verification() {
+        let mut d = OptTree::new(32, 4, 8);
+        assert!(d.propose(&[], 4).is_empty());
+        assert!(d.propose(&[1], 4).is_empty());
+        // After 1 the target was sure of 2 (gap 6), after 2 unsure between 3 and 4.
+        d.observe(1, &[2, 5], &[10.0, 4.0]);
+        d.observe(2, &[3, 4], &[1.0, 0.9]);
+        d.observe(3, &[6], &[8.0]);
+        let tree = d.propose(&[9, 1], 3);
+        assert_eq!(tree.path(0), vec![2]);
+        assert_eq!(tree.len(), 3);
+        // Context lookup: "7 1" was followed by 8 8; lookup and recycling are both offered.
+        let tree = d.propose(&[7, 1, 8, 8, 7, 1], 6);
+        let paths: Vec<Vec<u32>> = (0..tree.len()).map(|i| tree.path(i)).collect();
+        assert!(
+            paths.contains(&vec![8]) && paths.contains(&vec![2]),
+            "{paths:?}"
+        );
+
+        // Verification says the confident rank-0 candidates after 1 are always right and lookup
+        // never is: the rates follow.
+        let before = d.recycled_rate(0, 6.0);
+        for _ in 0..200 {
+            let tree = d.propose(&[7, 1, 8, 8, 7, 1], 2);
+            d.verified(&tree, &[2, 3, 6]);
+        }
+        assert!(d.recycled_rate(0, 6.0) > 0.9 && before < 0.9);
+        let tree = d.propose(&[7, 1, 8, 8, 7, 1], 2);
+        assert_eq!(tree.path(1), vec![2, 3], "{:?}", tree.tokens());
+        // Verifying a tree that is not (all) the proposal's is harmless.
+        d.verified(&DraftTree::chain(&[5, 5, 5]), &[0, 0, 0, 0]);
+        d.verified(&DraftTree::new(), &[]);
+    }
+}
