@@ -12,3 +12,27 @@ pub use lookup::ContextLookup;
 pub use opt_tree::OptTree;
 pub use recycling::{TokenRecycling, TreeShape};
 pub use spec::{DrafterKind, DrafterSpec};
+
+/// A candidate of a best-first tree search, ordered by the probability that its path is
+/// accepted (a max-heap pops the most probable first).
+struct Likely<T> {
+    probability: f64,
+    item: T,
+}
+
+impl<T> PartialEq for Likely<T> {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == std::cmp::Ordering::Equal
+    }
+}
+impl<T> Eq for Likely<T> {}
+impl<T> PartialOrd for Likely<T> {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl<T> Ord for Likely<T> {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.probability.total_cmp(&other.probability)
+    }
+}

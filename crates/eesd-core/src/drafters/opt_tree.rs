@@ -18,10 +18,9 @@
 //! that row (drafted or not), whether it was the target's choice; rates forget slowly so they
 //! follow the task at hand.
 
-use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
-use super::{ContextLookup, TokenRecycling, TreeShape};
+use super::{ContextLookup, Likely, TokenRecycling, TreeShape};
 use crate::drafter::Drafter;
 use crate::tree::DraftTree;
 
@@ -127,30 +126,8 @@ struct Proposal {
     offered: Vec<Vec<Offer>>,
 }
 
-/// A candidate node in the best-first search: the probability that its whole path is
-/// accepted.
-struct Candidate {
-    path_probability: f64,
-    parent: Option<usize>,
-    offer: Offer,
-}
-
-impl PartialEq for Candidate {
-    fn eq(&self, other: &Self) -> bool {
-        self.cmp(other) == Ordering::Equal
-    }
-}
-impl Eq for Candidate {}
-impl PartialOrd for Candidate {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Candidate {
-    fn cmp(&self, other: &Self) -> Ordering {
-        self.path_probability.total_cmp(&other.path_probability)
-    }
-}
+/// A candidate node of the best-first search: its parent in the tree and what is offered.
+type Candidate = Likely<(Option<usize>, Offer)>;
 
 /// The adaptive tree drafter: Token Recycling and context lookup candidates, rated online and
 /// selected best-first by path probability.
@@ -228,23 +205,23 @@ impl Drafter for OptTree {
         let mut heap: BinaryHeap<Candidate> = offered[0]
             .iter()
             .map(|&offer| Candidate {
-                path_probability: self.rates.rate(offer.1),
-                parent: None,
-                offer,
+                probability: self.rates.rate(offer.1),
+                item: (None, offer),
             })
             .collect();
         while tree.len() < budget {
-            let Some(best) = heap.pop() else { break };
-            let (token, _, step) = best.offer;
-            if tree.child(best.parent, token).is_some() {
+            let Some(Likely { probability, item }) = heap.pop() else {
+                break;
+            };
+            let (parent, (token, _, step)) = item;
+            if tree.child(parent, token).is_some() {
                 continue;
             }
-            let node = tree.push(token, best.parent);
+            let node = tree.push(token, parent);
             let offers = self.offers(token, step.and_then(|s| lookup_at(s + 1)));
             heap.extend(offers.iter().map(|&offer| Candidate {
-                path_probability: best.path_probability * self.rates.rate(offer.1),
-                parent: Some(node),
-                offer,
+                probability: probability * self.rates.rate(offer.1),
+                item: (Some(node), offer),
             }));
             offered.push(offers);
         }

@@ -8,11 +8,11 @@
 //! the drafter's whole memory; it carries over from one prompt to the next and serialises with
 //! serde.
 
-use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
 use serde::{Deserialize, Serialize};
 
+use super::Likely;
 use crate::drafter::Drafter;
 use crate::tree::DraftTree;
 
@@ -38,30 +38,23 @@ impl TreeShape {
     /// priors) using ranks below `k`: a tree that is deep along rank 0 and bushy near the root.
     pub fn best_first(nodes: usize, k: usize) -> Self {
         let prior = |rank: usize| Self::RANK_PRIOR.get(rank).copied().unwrap_or(0.005);
-        #[derive(PartialEq)]
-        struct Candidate(f64, Option<usize>, usize);
-        impl Eq for Candidate {}
-        impl PartialOrd for Candidate {
-            fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-                Some(self.cmp(other))
-            }
-        }
-        impl Ord for Candidate {
-            fn cmp(&self, other: &Self) -> Ordering {
-                self.0.total_cmp(&other.0)
-            }
-        }
-        let mut heap: BinaryHeap<Candidate> = (0..k)
-            .map(|rank| Candidate(prior(rank), None, rank))
+        let mut heap: BinaryHeap<Likely<(Option<usize>, usize)>> = (0..k)
+            .map(|rank| Likely {
+                probability: prior(rank),
+                item: (None, rank),
+            })
             .collect();
         let mut shape = Vec::with_capacity(nodes);
         while shape.len() < nodes {
-            let Some(Candidate(p, parent, rank)) = heap.pop() else {
+            let Some(Likely { probability, item }) = heap.pop() else {
                 break;
             };
-            shape.push((parent, rank));
+            shape.push(item);
             let me = shape.len() - 1;
-            heap.extend((0..k).map(|r| Candidate(p * prior(r), Some(me), r)));
+            heap.extend((0..k).map(|r| Likely {
+                probability: probability * prior(r),
+                item: (Some(me), r),
+            }));
         }
         TreeShape { nodes: shape }
     }
