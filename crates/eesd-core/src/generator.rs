@@ -456,7 +456,7 @@ fn run_tree<M: LayeredModel, F: FnMut(&[u32]) -> ControlFlow<()>>(
             let seen = (p - 1).min(PREFILL_OBSERVED_ROWS);
             let logits = rows(host(m.logits(h.narrow(0, p - 1 - seen, seen)))?, vocab);
             for (&token, row) in prompt[p - 1 - seen..].iter().zip(&logits) {
-                observe_row(drafter, token, row, wanted);
+                observe_row(drafter, token, row, &top_k(row, wanted));
             }
         }
     }
@@ -512,11 +512,17 @@ fn run_tree<M: LayeredModel, F: FnMut(&[u32]) -> ControlFlow<()>>(
         let verify_seconds = verify_start.elapsed().as_secs_f64();
 
         let observe_start = Instant::now();
-        let best: Vec<u32> = target.iter().map(|row| argmax(row) as u32).collect();
+        // One ranking per row serves both: its first token is the target's choice.
+        let ranked: Vec<Vec<u32>> = target.iter().map(|row| top_k(row, wanted.max(1))).collect();
+        let best: Vec<u32> = ranked
+            .iter()
+            .zip(&target)
+            .map(|(ids, row)| ids.first().copied().unwrap_or_else(|| argmax(row) as u32))
+            .collect();
         drafter.verified(&tree, &best);
         if wanted > 0 {
-            for (&token, row) in tokens.iter().zip(&target) {
-                observe_row(drafter, token, row, wanted);
+            for ((&token, row), ids) in tokens.iter().zip(&target).zip(&ranked) {
+                observe_row(drafter, token, row, ids);
             }
         }
         stats.draft_seconds += draft_seconds + observe_start.elapsed().as_secs_f64();
@@ -533,11 +539,11 @@ fn run_tree<M: LayeredModel, F: FnMut(&[u32]) -> ControlFlow<()>>(
     Ok((out.tokens, reason))
 }
 
-/// Shows the drafter the target's `wanted` best next tokens (with logits) after `token`.
-fn observe_row(drafter: &mut dyn Drafter, token: u32, row: &[f32], wanted: usize) {
-    let best = top_k(row, wanted);
-    let logits: Vec<f32> = best.iter().map(|&t| row[t as usize]).collect();
-    drafter.observe(token, &best, &logits);
+/// Shows the drafter the target's best next tokens `ids` (from `row`, with their logits) after
+/// `token`.
+fn observe_row(drafter: &mut dyn Drafter, token: u32, row: &[f32], ids: &[u32]) {
+    let logits: Vec<f32> = ids.iter().map(|&t| row[t as usize]).collect();
+    drafter.observe(token, ids, &logits);
 }
 
 /// Token ids through `layers`: their hidden states after the last of them, with those layers'
