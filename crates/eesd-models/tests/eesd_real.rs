@@ -25,10 +25,6 @@ fn generate<H: DraftHead<Llama>>(
         .unwrap()
 }
 
-fn eos() -> Vec<u32> {
-    model().tokenizer.eos_token_id().into_iter().collect()
-}
-
 #[test]
 fn greedy_eesd_matches_the_golden_continuations() {
     let random = RandomHead::new(&model().model, 2048, 1);
@@ -37,11 +33,9 @@ fn greedy_eesd_matches_the_golden_continuations() {
         let policy = POLICIES[i % POLICIES.len()];
         for (exit, head_name) in [(6, "norm"), (15, "random")] {
             let config = GenerationConfig {
-                max_new_tokens: g.greedy_ids.len(),
-                stop_tokens: eos(),
                 mode: Mode::Eesd,
                 exit_layer: Some(exit),
-                ..Default::default()
+                ..greedy_config(g.greedy_ids.len())
             };
             let out = if head_name == "norm" {
                 generate(&NormHead::new(), policy, &g.prompt_ids, &config)
@@ -66,11 +60,7 @@ fn greedy_eesd_is_token_identical_to_ar_on_spec_bench() {
     let mut checked = 0;
     for (i, q) in spec_bench(20).iter().enumerate() {
         let prompt = m.chat_prompt(&q.turns[0]).unwrap();
-        let base = GenerationConfig {
-            max_new_tokens: 128,
-            stop_tokens: eos(),
-            ..Default::default()
-        };
+        let base = greedy_config(128);
         let ar = generate(&NormHead::new(), "fixed:1", &prompt, &base);
         // Two EESD configurations per question, cycling through layers × policies × heads so that
         // every combination of policy and head appears across the set.

@@ -7,11 +7,11 @@ mod common;
 use std::ops::ControlFlow;
 
 use burn::tensor::Tensor;
-use common::{POLICIES, RandomHead, assert_same_distribution, tiny};
+use common::{POLICIES, RandomHead, assert_same_distribution, sampled_histogram, tiny};
 use eesd_bandit::Policy;
 use eesd_core::{
     CoreError, DraftHead, GenerationConfig, GenerationOutput, Generator, LayeredModel, Mode,
-    SamplingParams, StopReason,
+    StopReason,
 };
 use eesd_models::{HeadKind, LayerHead, Llama, NormHead, VocabSubset};
 
@@ -144,7 +144,7 @@ fn rollback_leaves_caches_as_if_only_accepted_tokens_were_seen() {
     }
 }
 
-/// Counts of the tokens at `position` over many seeded generations.
+/// Counts of the tokens at `position` over many seeded generations, drafting 3 tokens a round.
 fn histogram<H: DraftHead<Llama>>(
     model: &Llama,
     head: &H,
@@ -152,29 +152,16 @@ fn histogram<H: DraftHead<Llama>>(
     position: usize,
     runs: u64,
 ) -> Vec<usize> {
-    let mut counts = vec![0usize; model.config().vocab_size];
     let mut g = Generator::new(model)
         .with_head(head)
         .with_policy(Policy::parse("fixed:3", 0).unwrap());
-    for seed in 0..runs {
-        let config = GenerationConfig {
-            max_new_tokens: position + 1,
-            sampling: SamplingParams {
-                temperature: 1.5,
-                top_k: 12,
-                top_p: 1.0,
-            },
-            seed: seed * 7919 + mode as u64,
-            mode,
-            exit_layer: Some(2),
-            ..Default::default()
-        };
-        let out = g
-            .generate(&PROMPT, &config, |_| ControlFlow::Continue(()))
-            .unwrap();
-        counts[out.tokens[position] as usize] += 1;
-    }
-    counts
+    let base = GenerationConfig {
+        mode,
+        exit_layer: Some(2),
+        ..Default::default()
+    };
+    let vocab = model.config().vocab_size;
+    sampled_histogram(&mut g, &PROMPT, &base, vocab, position, runs, mode as u64)
 }
 
 #[test]

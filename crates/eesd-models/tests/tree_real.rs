@@ -15,10 +15,6 @@ use eesd_models::Llama;
 
 const DRAFTERS: [&str; 5] = ["recycle@16", "lookup@8", "fused@16", "fused@32:8", "opt@8"];
 
-fn eos() -> Vec<u32> {
-    model().tokenizer.eos_token_id().into_iter().collect()
-}
-
 fn generators() -> Vec<(String, Generator<'static, Llama>)> {
     let m = &model().model;
     DRAFTERS
@@ -54,11 +50,7 @@ fn greedy_tree_speculation_matches_the_golden_continuations() {
     for g in golden() {
         // Up to the first near-tie of the reference (another engine's rounding may flip it).
         let n = g.reliable_len();
-        let base = GenerationConfig {
-            max_new_tokens: g.greedy_ids.len(),
-            stop_tokens: eos(),
-            ..Default::default()
-        };
+        let base = greedy_config(g.greedy_ids.len());
         for (name, generator) in &mut gens {
             let out = run(generator, &g.prompt_ids, &tree_config(&base, name));
             assert_eq!(out.tokens[..n], g.greedy_ids[..n], "{:?}, {name}", g.text);
@@ -74,11 +66,7 @@ fn greedy_tree_speculation_is_token_identical_to_ar_on_spec_bench() {
     let mut accepted = vec![0usize; gens.len()];
     for (i, q) in spec_bench(20).iter().enumerate() {
         let prompt = m.chat_prompt(&q.turns[0]).unwrap();
-        let base = GenerationConfig {
-            max_new_tokens: 128,
-            stop_tokens: eos(),
-            ..Default::default()
-        };
+        let base = greedy_config(128);
         let ar = run(&mut ar_gen, &prompt, &base);
         // Two drafters per question, so each one meets ten questions.
         for j in [2 * i % gens.len(), (2 * i + 1) % gens.len()] {

@@ -7,11 +7,11 @@ mod common;
 
 use std::ops::ControlFlow;
 
-use common::{assert_same_distribution, tiny};
+use common::{assert_same_distribution, sampled_histogram, tiny};
 use eesd_core::drafters::DrafterSpec;
 use eesd_core::{
     DraftTree, Drafter, GenerationConfig, GenerationOutput, Generator, LayeredModel, Mode,
-    SamplingParams, StopReason,
+    StopReason,
 };
 use eesd_models::Llama;
 use rand::rngs::StdRng;
@@ -172,37 +172,24 @@ fn to_rows(t: burn::tensor::Tensor<2>) -> Vec<Vec<f32>> {
     v.chunks(n).map(<[f32]>::to_vec).collect()
 }
 
-/// Counts of the tokens at `position` over many seeded generations.
+/// Counts of the tokens at `position` over many seeded generations, by AR or with a drafter.
 fn histogram(model: &Llama, drafter: Option<&str>, position: usize, runs: u64) -> Vec<usize> {
     let vocab = model.config().vocab_size;
-    let mut counts = vec![0usize; vocab];
     let mut g = Generator::new(model);
     if let Some(spec) = drafter {
         g = g.with_drafter(spec.parse::<DrafterSpec>().unwrap().build(vocab));
     }
-    for seed in 0..runs {
-        let config = GenerationConfig {
-            max_new_tokens: position + 1,
-            sampling: SamplingParams {
-                temperature: 1.5,
-                top_k: 12,
-                top_p: 1.0,
-            },
-            seed: seed * 7919 + drafter.is_some() as u64,
-            mode: if drafter.is_some() {
-                Mode::Tree
-            } else {
-                Mode::Ar
-            },
-            tree_budget: 12,
-            ..Default::default()
-        };
-        let out = g
-            .generate(&PROMPT, &config, |_| ControlFlow::Continue(()))
-            .unwrap();
-        counts[out.tokens[position] as usize] += 1;
-    }
-    counts
+    let base = GenerationConfig {
+        mode: if drafter.is_some() {
+            Mode::Tree
+        } else {
+            Mode::Ar
+        },
+        tree_budget: 12,
+        ..Default::default()
+    };
+    let salt = drafter.is_some() as u64;
+    sampled_histogram(&mut g, &PROMPT, &base, vocab, position, runs, salt)
 }
 
 #[test]

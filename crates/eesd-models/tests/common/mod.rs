@@ -219,6 +219,52 @@ pub fn spec_bench(n: usize) -> Vec<Question> {
     picked
 }
 
+/// Greedy generation of at most `max_new_tokens`, stopping at the real model's end-of-sequence
+/// token.
+pub fn greedy_config(max_new_tokens: usize) -> eesd_core::GenerationConfig {
+    eesd_core::GenerationConfig {
+        max_new_tokens,
+        stop_tokens: model().tokenizer.eos_token_id().into_iter().collect(),
+        ..Default::default()
+    }
+}
+
+/// Counts (over a vocabulary of `vocab`) of the token at `position` in `runs` generations of
+/// `prompt` by `g`, sampled hot (temperature 1.5, top-k 12) with seeds `run · 7919 + salt`;
+/// `base` holds the rest of the configuration (mode, exit layer, tree budget).
+pub fn sampled_histogram<M, H>(
+    g: &mut eesd_core::Generator<'_, M, H>,
+    prompt: &[u32],
+    base: &eesd_core::GenerationConfig,
+    vocab: usize,
+    position: usize,
+    runs: u64,
+    salt: u64,
+) -> Vec<usize>
+where
+    M: eesd_core::LayeredModel,
+    H: eesd_core::DraftHead<M>,
+{
+    let mut counts = vec![0usize; vocab];
+    for run in 0..runs {
+        let config = eesd_core::GenerationConfig {
+            max_new_tokens: position + 1,
+            sampling: eesd_core::SamplingParams {
+                temperature: 1.5,
+                top_k: 12,
+                top_p: 1.0,
+            },
+            seed: run * 7919 + salt,
+            ..base.clone()
+        };
+        let out = g
+            .generate(prompt, &config, |_| std::ops::ControlFlow::Continue(()))
+            .unwrap();
+        counts[out.tokens[position] as usize] += 1;
+    }
+    counts
+}
+
 /// A tiny random LLaMA (see `eesd_models::testing`), loaded through the GGUF path.
 pub fn tiny(seed: u64) -> eesd_models::Llama {
     use eesd_models::testing::{tiny_config, tiny_gguf_bytes};
