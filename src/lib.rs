@@ -8,7 +8,8 @@
 //! - [`bandit`]: draft-length policies (Thompson Sampling and baselines), pure Rust.
 //! - [`core`]: the generation API, verify/accept and the decoding loop.
 //! - [`models`]: LLaMA, exit heads, weight loading (GGUF, safetensors), tokenizer, chat template.
-//! - [`train`]: self-distillation of exit heads and head checkpoints.
+//! - `train` (cargo feature `train`): self-distillation of exit heads; inference builds
+//!   leave it and autodiff out and load trained heads through [`models::load_layer_head`].
 //!
 //! ```no_run
 //! use std::ops::ControlFlow;
@@ -23,7 +24,7 @@
 //! let lm = LoadedModel::load(&path, &device, &LoadOptions::default())?;
 //! let prompt = lm.chat_prompt("What is speculative decoding?")?;
 //!
-//! let head = NormHead::new(); // or a trained LayerHead: eesd::train::load_layer_head(...)
+//! let head = NormHead::new(); // or a trained LayerHead: eesd::models::load_layer_head(...)
 //! let mut generator = Generator::new(&lm.model).with_head(&head).with_policy(CostAwareTs::new(0));
 //! let config = GenerationConfig {
 //!     mode: Mode::Eesd,
@@ -46,11 +47,12 @@
 pub use eesd_bandit as bandit;
 pub use eesd_core as core;
 pub use eesd_models as models;
+#[cfg(feature = "train")]
 pub use eesd_train as train;
 
 /// Path prefix of the exit head shipped for SmolLM2-135M-Instruct (`PREFIX.safetensors`, f16,
 /// and `PREFIX.json`), trained by `examples/train_exit_head.rs`; load it with
-/// [`train::load_layer_head`]. The checkpoint records the base model's SHA-256, so loading it
+/// [`models::load_layer_head`]. The checkpoint records the base model's SHA-256, so loading it
 /// for another model is an error.
 pub const SHIPPED_HEAD: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),

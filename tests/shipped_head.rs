@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use eesd::bandit::Policy;
 use eesd::core::{Backend, GenerationConfig, Generator, Mode};
 use eesd::models::{HeadKind, LoadOptions, LoadedModel, fetch};
-use eesd::train::{file_sha256, load_layer_head, read_metadata};
+use eesd::models::{file_sha256, load_layer_head, read_metadata};
 
 #[derive(serde::Deserialize)]
 struct Question {

@@ -28,7 +28,7 @@ use eesd::bandit::Policy;
 use eesd::core::drafters::DrafterSpec;
 use eesd::core::{Backend, GenerationConfig, GenerationOutput, Generator, Mode};
 use eesd::models::{AnyHead, Llama, LoadOptions, LoadedModel, NormHead, WeightDType, fetch};
-use eesd::train::{file_sha256, load_layer_head};
+use eesd::models::{file_sha256, load_layer_head};
 use indicatif::{ProgressBar, ProgressStyle};
 use oracle::{BenchHead, Oracle};
 use serde::Deserialize;
@@ -58,7 +58,7 @@ struct Args {
     /// Model file or directory (default: the cached SmolLM2, fetched if absent).
     #[arg(long)]
     model: Option<PathBuf>,
-    /// Backend.
+    /// Backend: flex, tch, tch-cuda, cuda or vulkan.
     #[arg(long, default_value = "flex")]
     device: Backend,
     /// Print one JSON object.

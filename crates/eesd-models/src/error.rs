@@ -110,6 +110,17 @@ pub enum ModelError {
     /// An invalid argument to a model method (empty token block, bad layer range ...).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A head checkpoint file that cannot be parsed.
+    #[error("malformed head checkpoint {path}: {reason}")]
+    MalformedHead {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A head checkpoint made for another base model, exit layer or architecture.
+    #[error("checkpoint does not fit this model: {0}")]
+    HeadMismatch(String),
     /// A failure reading a tensor back from the device.
     #[error("tensor data: {0}")]
     TensorData(String),

@@ -5,11 +5,14 @@
 //! - Loading: [`GgufFile`] (GGUF v2/v3, F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q6_K) and Hugging Face
 //!   safetensors directories, through [`Checkpoint`].
 //! - [`Tokenizer`] from `tokenizer.json` or GGUF metadata, and [`ChatTemplate`] rendering.
+//! - Exit heads ([`heads`]) and their trained checkpoints ([`checkpoint`]), loadable without the
+//!   training crate.
 
 #![warn(missing_docs)]
 
 pub mod cache;
 pub mod chat;
+pub mod checkpoint;
 pub mod config;
 pub mod cpu;
 pub mod error;
@@ -28,6 +31,7 @@ pub mod weights;
 
 pub use cache::{KvCache, LayerCache};
 pub use chat::{ChatMessage, ChatTemplate};
+pub use checkpoint::{HeadMetadata, file_sha256, load_layer_head, read_metadata, save_layer_head};
 pub use config::{Llama3RopeScaling, LlamaConfig};
 pub use error::{ModelError, Result};
 pub use gguf::{GgufFile, GgufTensorInfo, GgufValue};

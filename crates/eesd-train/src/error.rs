@@ -2,7 +2,8 @@
 
 use std::path::PathBuf;
 
-/// Everything that can go wrong while training, saving or loading a head.
+/// Everything that can go wrong while training a head or resuming a run (head checkpoints report
+/// [`eesd_models::ModelError`]).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum TrainError {
@@ -14,17 +15,14 @@ pub enum TrainError {
         /// The underlying error.
         source: std::io::Error,
     },
-    /// A checkpoint file that cannot be parsed.
-    #[error("malformed checkpoint {path}: {reason}")]
+    /// A training-state file that cannot be parsed.
+    #[error("malformed training state {path}: {reason}")]
     Malformed {
         /// The file.
         path: PathBuf,
         /// What is wrong.
         reason: String,
     },
-    /// A checkpoint made for another base model, layer or architecture.
-    #[error("checkpoint does not fit this model: {0}")]
-    Mismatch(String),
     /// A training setting out of range.
     #[error("invalid training config: {0}")]
     InvalidConfig(String),

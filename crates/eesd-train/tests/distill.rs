@@ -7,7 +7,7 @@ use eesd_bandit::Policy;
 use eesd_core::{Backend, DraftHead, GenerationConfig, Generator, Mode};
 use eesd_models::testing::{tiny_config, tiny_gguf_bytes};
 use eesd_models::{
-    AttentionContext, HeadKind, LayerHead, Llama, LoadOptions, LoadedModel, VocabSubset,
+    AttentionContext, HeadKind, LayerHead, Llama, LoadOptions, LoadedModel, ModelError, VocabSubset,
 };
 use eesd_train::checkpoint::FORMAT_VERSION;
 use eesd_train::{
@@ -210,12 +210,12 @@ fn checkpoints_round_trip_for(kind: HeadKind) {
     // Another base model, another layer count, a broken file: typed errors.
     assert!(matches!(
         load_layer_head(&prefix, &model, Some("def")),
-        Err(TrainError::Mismatch(_))
+        Err(ModelError::HeadMismatch(_))
     ));
     save_layer_head(&prefix, &head, &metadata(&model, kind, 7, None), true).unwrap();
     assert!(matches!(
         load_layer_head(&prefix, &model, None),
-        Err(TrainError::Mismatch(_))
+        Err(ModelError::HeadMismatch(_))
     ));
     save_layer_head(&prefix, &head, &metadata(&model, kind, 2, None), true).unwrap();
     let st = prefix.with_extension("safetensors");
@@ -223,16 +223,16 @@ fn checkpoints_round_trip_for(kind: HeadKind) {
     std::fs::write(&st, &bytes[..bytes.len() / 3]).unwrap();
     assert!(matches!(
         load_layer_head(&prefix, &model, None),
-        Err(TrainError::Malformed { .. })
+        Err(ModelError::MalformedHead { .. })
     ));
     std::fs::write(prefix.with_extension("json"), "{").unwrap();
     assert!(matches!(
         load_layer_head(&prefix, &model, None),
-        Err(TrainError::Malformed { .. })
+        Err(ModelError::MalformedHead { .. })
     ));
     assert!(matches!(
         load_layer_head(&dir.path().join("none"), &model, None),
-        Err(TrainError::Io { .. })
+        Err(ModelError::Io { .. })
     ));
 }
 
@@ -520,7 +520,7 @@ fn a_resumed_run_continues_exactly_for(kind: HeadKind) {
     );
     assert!(matches!(
         Distiller::resume(&other, &prefix),
-        Err(TrainError::Mismatch(_))
+        Err(TrainError::Model(ModelError::HeadMismatch(_)))
     ));
     std::fs::write(state_path(&prefix), "{").unwrap();
     assert!(matches!(

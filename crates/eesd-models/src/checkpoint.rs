@@ -1,5 +1,8 @@
 //! Head checkpoints: the trained weights (safetensors, f16 or f32) beside JSON metadata that ties
 //! them to one base model (file SHA-256), one exit layer and one vocabulary subset.
+//!
+//! They live here rather than in the training crate so that inference builds load a trained head
+//! without compiling autodiff.
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -7,13 +10,13 @@ use std::path::{Path, PathBuf};
 
 use burn::module::Param;
 use burn::tensor::{Tensor, TensorData};
-use eesd_models::cpu::PackedCache;
-use eesd_models::{DecoderLayer, HeadKind, LayerHead, LayerHeadWeights, Llama, VocabSubset};
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::error::{Result, TrainError};
+use crate::cpu::PackedCache;
+use crate::error::{ModelError, Result};
+use crate::{DecoderLayer, HeadKind, LayerHead, LayerHeadWeights, Llama, VocabSubset};
 
 /// Version of the checkpoint layout.
 pub const FORMAT_VERSION: u32 = 1;
@@ -43,11 +46,11 @@ pub struct HeadMetadata {
 
 /// SHA-256 of a file, hex-encoded.
 pub fn file_sha256(path: &Path) -> Result<String> {
-    let mut file = std::fs::File::open(path).map_err(|e| TrainError::io(path, e))?;
+    let mut file = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
-        let n = file.read(&mut buf).map_err(|e| TrainError::io(path, e))?;
+        let n = file.read(&mut buf).map_err(|e| ModelError::io(path, e))?;
         if n == 0 {
             break;
         }
@@ -94,7 +97,7 @@ pub fn save_layer_head(
     f16: bool,
 ) -> Result<()> {
     let (st_path, json_path) = checkpoint_paths(prefix);
-    let malformed = |reason: String| TrainError::Malformed {
+    let malformed = |reason: String| ModelError::MalformedHead {
         path: st_path.clone(),
         reason,
     };
@@ -127,22 +130,22 @@ pub fn save_layer_head(
         .collect::<Result<Vec<_>>>()?;
     safetensors::serialize_to_file(views, None, &st_path).map_err(|e| malformed(e.to_string()))?;
     let json = serde_json::to_string_pretty(metadata).map_err(|e| malformed(e.to_string()))?;
-    std::fs::write(&json_path, json).map_err(|e| TrainError::io(&json_path, e))
+    std::fs::write(&json_path, json).map_err(|e| ModelError::io(&json_path, e))
 }
 
 /// Reads a checkpoint's metadata.
 pub fn read_metadata(prefix: &Path) -> Result<HeadMetadata> {
     let (_, json_path) = checkpoint_paths(prefix);
-    let text = std::fs::read_to_string(&json_path).map_err(|e| TrainError::io(&json_path, e))?;
-    serde_json::from_str(&text).map_err(|e| TrainError::Malformed {
+    let text = std::fs::read_to_string(&json_path).map_err(|e| ModelError::io(&json_path, e))?;
+    serde_json::from_str(&text).map_err(|e| ModelError::MalformedHead {
         path: json_path,
         reason: e.to_string(),
     })
 }
 
 /// Refuses a head trained for another residual width, an exit layer the model does not have, or
-/// (when recorded) a model of another depth.
-pub(crate) fn ensure_fits(
+/// (when recorded) a model of another depth (checked again when training resumes from a state).
+pub fn ensure_fits(
     model: &Llama,
     hidden_size: usize,
     exit_layer: usize,
@@ -155,7 +158,7 @@ pub(crate) fn ensure_fits(
         || exit_layer >= c.num_layers
     {
         let depth = num_layers.map_or(String::new(), |n| format!(" of a {n}-layer model"));
-        return Err(TrainError::Mismatch(format!(
+        return Err(ModelError::HeadMismatch(format!(
             "head for hidden size {hidden_size} at layer {exit_layer}{depth}, model has hidden size {} and {} layers",
             c.hidden_size, c.num_layers
         )));
@@ -173,7 +176,7 @@ pub fn load_layer_head(
     let meta = read_metadata(prefix)?;
     let kind = meta.head_kind.parse::<HeadKind>();
     if meta.format_version != FORMAT_VERSION || kind.is_err() {
-        return Err(TrainError::Mismatch(format!(
+        return Err(ModelError::HeadMismatch(format!(
             "checkpoint is a `{}` head of format {}, expected a `layer` or `adapter` head of format {FORMAT_VERSION}",
             meta.head_kind, meta.format_version
         )));
@@ -181,7 +184,7 @@ pub fn load_layer_head(
     if let Some(sha) = base_sha256
         && sha != meta.base_model_sha256
     {
-        return Err(TrainError::Mismatch(format!(
+        return Err(ModelError::HeadMismatch(format!(
             "trained on base model {} (sha256 {}), this model's sha256 is {sha}",
             meta.base_model_name, meta.base_model_sha256
         )));
@@ -189,8 +192,8 @@ pub fn load_layer_head(
     let c = model.config();
     ensure_fits(model, meta.hidden_size, meta.exit_layer, None)?;
     let (st_path, _) = checkpoint_paths(prefix);
-    let bytes = std::fs::read(&st_path).map_err(|e| TrainError::io(&st_path, e))?;
-    let malformed = |reason: String| TrainError::Malformed {
+    let bytes = std::fs::read(&st_path).map_err(|e| ModelError::io(&st_path, e))?;
+    let malformed = |reason: String| ModelError::MalformedHead {
         path: st_path.clone(),
         reason,
     };
@@ -211,7 +214,7 @@ pub fn load_layer_head(
             .tensor(name)
             .map_err(|_| malformed(format!("missing tensor `{name}`")))?;
         if view.shape() != expected[name].as_slice() {
-            return Err(TrainError::Mismatch(format!(
+            return Err(ModelError::HeadMismatch(format!(
                 "tensor `{name}` has shape {:?}, this model needs {:?}",
                 view.shape(),
                 expected[name]
