@@ -19,7 +19,7 @@ use eesd::models::{LoadOptions, LoadedModel, WeightDType, fetch};
 
 #[derive(Parser, Debug)]
 struct Args {
-    /// Backend.
+    /// Backend: flex, tch, tch-cuda, cuda or vulkan.
     #[arg(long, default_value = "flex")]
     device: Backend,
     /// Weight dtypes.

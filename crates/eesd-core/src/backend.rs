@@ -17,11 +17,20 @@ pub enum Backend {
     TchCuda,
     /// burn's CUDA backend on device 0 (cargo feature `cuda`).
     Cuda,
+    /// burn's wgpu backend pinned to Vulkan, on the GPU wgpu ranks best (cargo feature
+    /// `vulkan`; `CUBECL_WGPU_DEFAULT_DEVICE` overrides the choice).
+    Vulkan,
 }
 
 impl Backend {
     /// All backends, in the order they are listed to users.
-    pub const ALL: [Backend; 4] = [Backend::Flex, Backend::Tch, Backend::TchCuda, Backend::Cuda];
+    pub const ALL: [Backend; 5] = [
+        Backend::Flex,
+        Backend::Tch,
+        Backend::TchCuda,
+        Backend::Cuda,
+        Backend::Vulkan,
+    ];
 
     /// The name used on command lines.
     pub fn name(self) -> &'static str {
@@ -30,6 +39,7 @@ impl Backend {
             Backend::Tch => "tch",
             Backend::TchCuda => "tch-cuda",
             Backend::Cuda => "cuda",
+            Backend::Vulkan => "vulkan",
         }
     }
 
@@ -66,6 +76,11 @@ impl Backend {
                 return Ok(Device::cuda(0));
                 Err(missing("cuda"))
             }
+            Backend::Vulkan => {
+                #[cfg(feature = "vulkan")]
+                return Ok(Device::vulkan(burn::tensor::DeviceKind::DefaultDevice));
+                Err(missing("vulkan"))
+            }
         }
     }
 }
@@ -79,7 +94,7 @@ impl FromStr for Backend {
             .find(|b| b.name() == s)
             .ok_or_else(|| CoreError::Backend {
                 name: s.into(),
-                reason: "unknown backend (expected flex, tch, tch-cuda or cuda)".into(),
+                reason: "unknown backend (expected flex, tch, tch-cuda, cuda or vulkan)".into(),
             })
     }
 }
