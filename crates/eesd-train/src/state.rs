@@ -9,12 +9,12 @@
 use std::path::{Path, PathBuf};
 
 use burn::module::Module;
+use eesd_models::checkpoint::ensure_fits;
 use eesd_models::{HeadKind, LayerHead, Llama, VocabSubset};
 use serde::{Deserialize, Serialize};
 
 use crate::distill::{DistillConfig, Distiller, optimizer};
 use crate::error::{Result, TrainError};
-use eesd_models::checkpoint::ensure_fits;
 
 /// What `PREFIX.state.json` holds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
