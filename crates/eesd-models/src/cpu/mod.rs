@@ -18,9 +18,14 @@ pub(crate) mod lanes;
 pub mod matmul;
 pub mod packed;
 pub mod pool;
+pub mod q8;
+pub mod qformat;
+pub mod qmatmul;
 pub mod roofline;
 pub mod rows;
 
+#[cfg(feature = "flex")]
+pub(crate) use flex::flex_f32;
 #[cfg(feature = "flex")]
 pub use flex::{PackedCache, packed_linear};
 pub use isa::Isa;
@@ -28,6 +33,9 @@ pub use lanes::WeightElement;
 pub use matmul::ShapeError;
 pub use packed::{PANEL, PackedMatrix, PackedWeight};
 pub use pool::Pool;
+pub use q8::Q8Rows;
+pub use qformat::QuantFormat;
+pub use qmatmul::QuantMatrix;
 pub use roofline::Roofline;
 
 /// Without the flex backend there is nothing to pack: an empty stand-in keeps module layouts

@@ -1,0 +1,133 @@
+//! Activation rows quantized to 8 bits per sub-block of 32, the other operand of the quantized
+//! kernel (as llama.cpp quantizes activations for its integer dot products).
+//!
+//! Each row is quantized on its own, by a fixed rule (scale `max|x| / 127`, round to nearest
+//! even), so a row's codes never depend on the other rows of its block: the kernel stays
+//! batch-invariant.
+
+use super::qformat::SUB;
+
+/// `b` rows of `k` activations as signed 8-bit codes with one f32 scale per sub-block.
+#[derive(Debug, Clone, Default)]
+pub struct Q8Rows {
+    pub(crate) k: usize,
+    pub(crate) rows: usize,
+    /// Row stride of the transposed sums (rows rounded up, plus room for a full group).
+    pub(crate) stride: usize,
+    /// Codes `[rows][k]`.
+    pub(crate) q: Vec<i8>,
+    /// Scales `[rows][k / 32]`.
+    pub(crate) d: Vec<f32>,
+    /// `d · Σ q` per sub-block, transposed `[k / 32][stride]` (zero past `rows`).
+    pub(crate) sum: Vec<f32>,
+    /// `d · Σ q` per half sub-block, transposed `[k / 32][2][stride]`.
+    pub(crate) half: Vec<f32>,
+}
+
+impl Q8Rows {
+    /// Rows of `k` values (`k` a multiple of 32, `x.len()` a multiple of `k`), reusing `self`'s
+    /// buffers.
+    pub fn quantize_into(&mut self, x: &[f32], k: usize) {
+        debug_assert!(k.is_multiple_of(SUB) && x.len().is_multiple_of(k));
+        let rows = x.len() / k;
+        let subs = k / SUB;
+        let stride = rows.next_multiple_of(4) + 4;
+        self.k = k;
+        self.rows = rows;
+        self.stride = stride;
+        self.q.resize(rows * k, 0);
+        self.d.resize(rows * subs, 0.0);
+        self.sum.clear();
+        self.sum.resize(subs * stride, 0.0);
+        self.half.clear();
+        self.half.resize(subs * 2 * stride, 0.0);
+        for r in 0..rows {
+            quantize_row(
+                &x[r * k..(r + 1) * k],
+                &mut self.q[r * k..(r + 1) * k],
+                &mut self.d[r * subs..(r + 1) * subs],
+            );
+            for s in 0..subs {
+                let q = &self.q[r * k + s * SUB..][..SUB];
+                let d = self.d[r * subs + s];
+                let sum = |q: &[i8]| q.iter().map(|&v| v as i32).sum::<i32>() as f32;
+                let (a, c) = (sum(&q[..16]), sum(&q[16..]));
+                self.sum[s * stride + r] = d * (a + c);
+                self.half[(2 * s) * stride + r] = d * a;
+                self.half[(2 * s + 1) * stride + r] = d * c;
+            }
+        }
+    }
+
+    /// Rows held.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Values per row.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+}
+
+simd_fn! {
+    /// Quantizes one row: per sub-block, `d = max|x| / 127` and `q = round(x · 127 / max|x|)`.
+    fn quantize_row(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+        for ((x, q), d) in x.chunks_exact(SUB).zip(q.chunks_exact_mut(SUB)).zip(d.iter_mut()) {
+            let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+            *d = amax / 127.0;
+            for (q, &v) in q.iter_mut().zip(x) {
+                *q = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_reconstruct_the_rows() {
+        let k = 64;
+        let x: Vec<f32> = (0..3 * k)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let mut q = Q8Rows::default();
+        q.quantize_into(&x, k);
+        assert_eq!((q.rows(), q.k()), (3, k));
+        for r in 0..3 {
+            for i in 0..k {
+                let back = q.q[r * k + i] as f32 * q.d[r * 2 + i / SUB];
+                let amax = 50.0 / 7.0;
+                assert!((back - x[r * k + i]).abs() <= amax / 254.0 + 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_quantizes_the_same_in_any_block() {
+        let k = 96;
+        let x: Vec<f32> = (0..5 * k).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        let mut block = Q8Rows::default();
+        block.quantize_into(&x, k);
+        for r in 0..5 {
+            let mut alone = Q8Rows::default();
+            alone.quantize_into(&x[r * k..(r + 1) * k], k);
+            assert_eq!(alone.q, block.q[r * k..(r + 1) * k]);
+            assert_eq!(alone.d, block.d[r * 3..(r + 1) * 3]);
+            for s in 0..3 {
+                assert_eq!(alone.sum[s * alone.stride], block.sum[s * block.stride + r]);
+            }
+        }
+    }
+
+    #[test]
+    fn zero_rows_have_zero_codes() {
+        let mut q = Q8Rows::default();
+        q.quantize_into(&[0.0; 32], 32);
+        assert!(q.q.iter().all(|&v| v == 0));
+        assert_eq!(q.d, vec![0.0]);
+    }
+}
