@@ -17,6 +17,7 @@ use crate::cache::LayerCache;
 use crate::config::LlamaConfig;
 use crate::cpu::PackedCache;
 use crate::error::{ModelError, Result};
+use crate::native::{NativeWeights, quant_linear};
 use crate::rope::Rope;
 
 /// RMSNorm: `x / sqrt(mean(x²) + ε) · γ` over the last dimension.
@@ -234,6 +235,10 @@ pub struct DecoderLayer {
     /// Packed copies of the four weight matrices for the flex CPU kernel (filled on first use).
     #[module(skip)]
     pub packed: PackedCache,
+    /// The weight matrices kept in their file's block format ([`crate::WeightDType::Native`]);
+    /// empty otherwise, and in clones.
+    #[module(skip)]
+    pub native: NativeWeights,
 }
 
 impl DecoderLayer {
@@ -379,15 +384,20 @@ impl DecoderLayer {
 
     /// `x · wᵀ` for one of this layer's weights.
     fn project(&self, x: Tensor<2>, w: &Param<Tensor<2>>) -> Tensor<2> {
+        if let Some(y) = self.native.get(w).and_then(|q| quant_linear(&x, q)) {
+            return y;
+        }
         linear(x, &w.val(), &self.packed)
     }
 
     /// Packs the weight matrices for the flex CPU kernel now rather than on first use (no-op on
-    /// other backends).
+    /// other backends and for native weights, which the kernel reads as they are).
     pub fn prepare(&self) {
         #[cfg(feature = "flex")]
         for w in [&self.wqkv, &self.wo, &self.w_gate_up, &self.w_down] {
-            self.packed.get(&w.val());
+            if self.native.get(w).is_none() {
+                self.packed.get(&w.val());
+            }
         }
     }
 

@@ -9,17 +9,25 @@ use eesd_core::TreeMask;
 
 use crate::cache::{KvCache, LayerCache};
 use crate::config::LlamaConfig;
-use crate::cpu::PackedCache;
+use crate::cpu::matmul::ShapeError;
+use crate::cpu::{PackedCache, QuantMatrix};
 use crate::error::{ModelError, Result};
 use crate::layer::{AttentionContext, DecoderLayer, cast_to, linear, rms_norm};
+use crate::native::{NativeWeights, lazy_param, quant_linear};
+use crate::quant::GgmlType;
 use crate::rope::Rope;
-use crate::weights::{Checkpoint, HostTensor, WeightName};
+use crate::weights::{Checkpoint, WeightName};
 
 /// Numeric precision of the weights on the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum WeightDType {
-    /// 32-bit floats (exact reference numerics).
+    /// The file's own types: quantized matrices of a GGUF file stay in their block format
+    /// (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) and run through the quantized CPU kernel, with activations
+    /// quantized per row to 8 bits as llama.cpp does; float tensors keep their precision. On
+    /// backends other than flex the matrices are dequantized to f32 when first used.
     #[default]
+    Native,
+    /// 32-bit floats (exact reference numerics).
     F32,
     /// IEEE half precision (half the memory traffic).
     F16,
@@ -52,14 +60,17 @@ impl ForwardCost {
 pub struct Llama {
     config: LlamaConfig,
     device: Device,
-    /// Token embedding `[vocab, hidden]`.
-    embedding: Tensor<2>,
+    /// Token embedding `[vocab, hidden]` (lazy with native weights).
+    embedding: Param<Tensor<2>>,
     layers: Vec<DecoderLayer>,
     final_norm: Tensor<1>,
     /// LM head `[vocab, hidden]` (the embedding itself when tied).
-    lm_head: Tensor<2>,
+    lm_head: Param<Tensor<2>>,
     /// The LM head's packed copy for the flex CPU kernel.
     lm_head_packed: PackedCache,
+    /// The embedding and LM head in their file's block format (native weights).
+    native_embedding: Option<Arc<QuantMatrix>>,
+    native_lm_head: Option<Arc<QuantMatrix>>,
     rope: Rope,
 }
 
@@ -74,102 +85,140 @@ impl Llama {
         config.validate()?;
         let c = &config;
         let (h, d) = (c.hidden_size, c.head_dim());
-        let upload = |t: HostTensor| -> Tensor<2> {
-            let [r, k] = [t.shape[0], t.shape[1]];
-            cast(
-                Tensor::from_data(TensorData::new(t.values, [r, k]), device),
-                dtype,
-            )
-        };
+        let native = dtype == WeightDType::Native;
         let vector = |name: WeightName| -> Result<Tensor<1>> {
             let t = checkpoint.read(name, 0)?.expect_shape(name, &[h])?;
             Ok(Tensor::from_data(TensorData::new(t.values, [h]), device))
         };
-        // `[out, in]` matrices from the file, fused along `out`, kept `[out, in]`.
-        let fused = |parts: &[(WeightName, usize, usize)]| -> Result<Tensor<2>> {
+        // A matrix `[Σ out, inn]` from file tensors `[out, inn]` fused along `out`: in its block
+        // format when native and every part is quantized, else dense.
+        let matrix = |parts: &[(WeightName, usize, usize)], inn: usize| -> Result<Matrix> {
+            if native {
+                let mut quantized = Vec::with_capacity(parts.len());
+                for &(name, out, heads) in parts {
+                    match checkpoint.read_quantized(name, heads)? {
+                        Some(t) if t.shape == [out, inn] => quantized.push(t),
+                        Some(t) => {
+                            return Err(ModelError::ShapeMismatch {
+                                name: name.hf(),
+                                expected: vec![out, inn],
+                                found: t.shape.to_vec(),
+                            });
+                        }
+                        None => break,
+                    }
+                }
+                if quantized.len() == parts.len() {
+                    let mut m: Option<QuantMatrix> = None;
+                    for t in quantized {
+                        let bad = |e: ShapeError| ModelError::Malformed(e.to_string());
+                        match m.as_mut() {
+                            None => {
+                                m = Some(
+                                    QuantMatrix::new(t.format, t.bytes, t.shape[0], inn)
+                                        .map_err(bad)?,
+                                )
+                            }
+                            Some(m) => m.push(t.format, t.bytes, t.shape[0]).map_err(bad)?,
+                        }
+                    }
+                    if let Some(m) = m {
+                        let m = Arc::new(m);
+                        return Ok(Matrix {
+                            param: lazy_param(m.clone(), device),
+                            native: Some(m),
+                        });
+                    }
+                }
+            }
+            let dense = match dtype {
+                WeightDType::Native => {
+                    let types = parts
+                        .iter()
+                        .map(|&(name, _, _)| checkpoint.stored_type(name))
+                        .collect::<Result<Vec<_>>>()?;
+                    dense_dtype(&types)
+                }
+                other => other,
+            };
             let mut rows = Vec::new();
             let mut n_out = 0;
             for &(name, out, heads) in parts {
-                let t = checkpoint.read(name, heads)?;
-                let inn = t.shape.get(1).copied().unwrap_or(0);
-                let t = t.expect_shape(name, &[out, inn.max(1)])?;
+                let t = checkpoint
+                    .read(name, heads)?
+                    .expect_shape(name, &[out, inn])?;
                 rows.extend(t.values);
                 n_out += out;
             }
-            let inn = rows.len() / n_out.max(1);
-            Ok(upload(HostTensor {
-                values: rows,
-                shape: vec![n_out, inn],
-            }))
+            let t = Tensor::from_data(TensorData::new(rows, [n_out, inn]), device);
+            Ok(Matrix {
+                param: Param::from_tensor(cast(t, dense)),
+                native: None,
+            })
         };
 
-        let embedding = checkpoint.read(WeightName::Embedding, 0)?;
-        if embedding.shape.len() != 2 || embedding.shape[1] != h {
+        let embedding_shape = checkpoint.read_shape(WeightName::Embedding)?;
+        if embedding_shape.len() != 2 || embedding_shape[1] != h {
             return Err(ModelError::ShapeMismatch {
                 name: WeightName::Embedding.hf(),
                 expected: vec![c.vocab_size, h],
-                found: embedding.shape,
+                found: embedding_shape,
             });
         }
-        if embedding.shape[0] != c.vocab_size {
+        if embedding_shape[0] != c.vocab_size {
             return Err(ModelError::VocabMismatch {
                 tokenizer: c.vocab_size,
-                embedding: embedding.shape[0],
+                embedding: embedding_shape[0],
             });
         }
-        let embedding = upload(embedding);
-        let lm_head = if c.tie_word_embeddings {
-            embedding.clone()
-        } else {
-            upload(
-                checkpoint
-                    .read(WeightName::LmHead, 0)?
-                    .expect_shape(WeightName::LmHead, &[c.vocab_size, h])?,
-            )
+        let embedding = matrix(&[(WeightName::Embedding, c.vocab_size, 0)], h)?;
+        let lm_head = match c.tie_word_embeddings {
+            true => Matrix {
+                param: embedding.param.clone(),
+                native: embedding.native.clone(),
+            },
+            false => matrix(&[(WeightName::LmHead, c.vocab_size, 0)], h)?,
         };
 
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
-            let check_in =
-                |name: WeightName, out: usize, inn: usize, heads: usize| -> Result<HostTensor> {
-                    checkpoint
-                        .read(name, heads)?
-                        .expect_shape(name, &[out, inn])
-                };
-            let wqkv = fused(&[
-                (WeightName::Q(i), c.num_heads * d, c.num_heads),
-                (WeightName::K(i), c.num_kv_heads * d, c.num_kv_heads),
-                (WeightName::V(i), c.num_kv_heads * d, 0),
-            ])?;
-            let wo = upload(check_in(WeightName::O(i), h, c.num_heads * d, 0)?);
-            let w_gate_up = fused(&[
-                (WeightName::Gate(i), c.intermediate_size, 0),
-                (WeightName::Up(i), c.intermediate_size, 0),
-            ])?;
-            let w_down = upload(check_in(WeightName::Down(i), h, c.intermediate_size, 0)?);
-            // fused() checks output widths; the input widths are checked here.
-            for (w, inn) in [(&wqkv, h), (&w_gate_up, h)] {
-                if w.dims()[1] != inn {
-                    return Err(ModelError::ShapeMismatch {
-                        name: format!("layer {i} input projections"),
-                        expected: vec![inn],
-                        found: vec![w.dims()[1]],
-                    });
+            let wqkv = matrix(
+                &[
+                    (WeightName::Q(i), c.num_heads * d, c.num_heads),
+                    (WeightName::K(i), c.num_kv_heads * d, c.num_kv_heads),
+                    (WeightName::V(i), c.num_kv_heads * d, 0),
+                ],
+                h,
+            )?;
+            let wo = matrix(&[(WeightName::O(i), h, 0)], c.num_heads * d)?;
+            let w_gate_up = matrix(
+                &[
+                    (WeightName::Gate(i), c.intermediate_size, 0),
+                    (WeightName::Up(i), c.intermediate_size, 0),
+                ],
+                h,
+            )?;
+            let w_down = matrix(&[(WeightName::Down(i), h, 0)], c.intermediate_size)?;
+            let mut native = NativeWeights::default();
+            for m in [&wqkv, &wo, &w_gate_up, &w_down] {
+                if let Some(q) = &m.native {
+                    native.insert(&m.param, q.clone());
                 }
             }
             layers.push(DecoderLayer {
                 attn_norm: Param::from_tensor(vector(WeightName::AttnNorm(i))?),
-                wqkv: Param::from_tensor(wqkv),
-                wo: Param::from_tensor(wo),
+                wqkv: wqkv.param,
+                wo: wo.param,
                 mlp_norm: Param::from_tensor(vector(WeightName::MlpNorm(i))?),
-                w_gate_up: Param::from_tensor(w_gate_up),
-                w_down: Param::from_tensor(w_down),
+                w_gate_up: w_gate_up.param,
+                w_down: w_down.param,
                 num_heads: c.num_heads,
                 num_kv_heads: c.num_kv_heads,
                 head_dim: d,
                 ffn: c.intermediate_size,
                 eps: c.rms_norm_eps,
                 packed: PackedCache::default(),
+                native,
             });
         }
         let final_norm = vector(WeightName::FinalNorm)?;
@@ -177,11 +226,13 @@ impl Llama {
         let model = Llama {
             config,
             device: device.clone(),
-            embedding,
+            embedding: embedding.param,
             layers,
             final_norm,
-            lm_head,
+            lm_head: lm_head.param,
             lm_head_packed: PackedCache::default(),
+            native_embedding: embedding.native,
+            native_lm_head: lm_head.native,
             rope,
         };
         model.prepare();
@@ -193,7 +244,9 @@ impl Llama {
     fn prepare(&self) {
         self.layers.iter().for_each(DecoderLayer::prepare);
         #[cfg(feature = "flex")]
-        self.lm_head_packed.get(&self.lm_head);
+        if self.native_lm_head.is_none() {
+            self.lm_head_packed.get(&self.lm_head.val());
+        }
     }
 
     /// The model's hyper-parameters.
@@ -226,29 +279,61 @@ impl Llama {
         &self.final_norm
     }
 
-    /// The LM head `[vocab, hidden]`.
+    /// The LM head `[vocab, hidden]` as a dense tensor. With native weights it is made (in
+    /// f32) on the first call and kept; [`Llama::native_lm_head`] avoids that.
     pub fn lm_head(&self) -> &Tensor<2> {
         &self.lm_head
+    }
+
+    /// The LM head in its file's block format, when the model holds native weights.
+    pub fn native_lm_head(&self) -> Option<&Arc<QuantMatrix>> {
+        self.native_lm_head.as_ref()
+    }
+
+    /// Bytes of weights the model holds now: quantized blocks, dense tensors, and dense copies
+    /// of native weights made on demand (the flex kernels' packed copies not included).
+    pub fn weight_bytes(&self) -> usize {
+        let matrix = |p: &Param<Tensor<2>>, native: Option<&Arc<QuantMatrix>>| {
+            let dense = match (native, p.is_initialized()) {
+                (Some(_), false) => 0,
+                _ => p.val().shape().num_elements() * p.val().dtype().size(),
+            };
+            dense + native.map_or(0, |q| q.bytes())
+        };
+        let mut bytes = matrix(&self.embedding, self.native_embedding.as_ref());
+        if !self.config.tie_word_embeddings {
+            bytes += matrix(&self.lm_head, self.native_lm_head.as_ref());
+        }
+        for layer in &self.layers {
+            for w in [&layer.wqkv, &layer.wo, &layer.w_gate_up, &layer.w_down] {
+                bytes += matrix(w, layer.native.get(w));
+            }
+            bytes += 2 * self.config.hidden_size * 4;
+        }
+        bytes + self.config.hidden_size * 4
     }
 
     /// The cost of a full forward pass (all layers and the LM head) over `rows` new tokens
     /// after `past` cached positions.
     pub fn forward_cost(&self, rows: usize, past: usize) -> ForwardCost {
         let c = &self.config;
-        let matrix = |w: &Tensor<2>| {
-            let [o, k] = w.dims();
-            ((o * k) as f64, (o * k * w.dtype().size()) as f64)
+        let matrix = |w: &Param<Tensor<2>>, native: Option<&Arc<QuantMatrix>>| match native {
+            Some(q) => ((q.out() * q.k()) as f64, q.bytes() as f64),
+            None => {
+                let [o, k] = w.dims();
+                ((o * k) as f64, (o * k * w.dtype().size()) as f64)
+            }
         };
         let mut params = 0f64;
         let mut bytes = 0f64;
         for layer in &self.layers {
             for w in [&layer.wqkv, &layer.wo, &layer.w_gate_up, &layer.w_down] {
-                let (p, b) = matrix(&w.val());
+                let (p, b) = matrix(w, layer.native.get(w));
                 params += p;
                 bytes += b;
             }
         }
-        let (p, b) = matrix(&self.lm_head);
+        let (p, b) = matrix(&self.lm_head, self.native_lm_head.as_ref());
         params += p;
         bytes += b;
         let layers = self.layers.len() as f64;
@@ -277,12 +362,21 @@ impl Llama {
         if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab) {
             return Err(ModelError::TokenOutOfRange { id, vocab });
         }
+        if let Some(q) = &self.native_embedding {
+            let h = self.config.hidden_size;
+            let mut rows = vec![0f32; tokens.len() * h];
+            for (row, &id) in rows.chunks_exact_mut(h).zip(tokens) {
+                q.dequantize_row(id as usize, row)
+                    .map_err(|e| ModelError::InvalidArgument(e.to_string()))?;
+            }
+            return Ok(Tensor::from_data(
+                TensorData::new(rows, [tokens.len(), h]),
+                &self.device,
+            ));
+        }
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [tokens.len()]), &self.device);
-        Ok(cast(
-            self.embedding.clone().select(0, ids),
-            WeightDType::F32,
-        ))
+        Ok(cast(self.embedding.val().select(0, ids), WeightDType::F32))
     }
 
     /// Runs layers `range` on `hidden: [t, hidden]`, appending to those layers' caches.
@@ -449,7 +543,14 @@ impl Llama {
     /// Final RMSNorm + LM head: `[t, hidden]` → logits `[t, vocab]`.
     pub fn logits(&self, hidden: Tensor<2>) -> Tensor<2> {
         let x = rms_norm(hidden, self.final_norm.clone(), self.config.rms_norm_eps);
-        linear(x, &self.lm_head, &self.lm_head_packed)
+        if let Some(y) = self
+            .native_lm_head
+            .as_ref()
+            .and_then(|q| quant_linear(&x, q))
+        {
+            return y;
+        }
+        linear(x, &self.lm_head.val(), &self.lm_head_packed)
     }
 
     /// Runs the whole model on new tokens and returns logits for each, `[t, vocab]`.
@@ -472,21 +573,28 @@ impl Llama {
 
 impl WeightDType {
     /// Every dtype, in the order they are listed to users.
-    pub const ALL: [WeightDType; 3] = [WeightDType::F32, WeightDType::F16, WeightDType::Bf16];
+    pub const ALL: [WeightDType; 4] = [
+        WeightDType::Native,
+        WeightDType::F32,
+        WeightDType::F16,
+        WeightDType::Bf16,
+    ];
 
     /// The name used on command lines and in reports.
     pub fn name(self) -> &'static str {
         match self {
+            WeightDType::Native => "native",
             WeightDType::F32 => "f32",
             WeightDType::F16 => "f16",
             WeightDType::Bf16 => "bf16",
         }
     }
 
-    /// The burn dtype.
+    /// The burn dtype of dense weights (f32 for [`WeightDType::Native`], whose dense form is
+    /// f32).
     pub fn dtype(self) -> DType {
         match self {
-            WeightDType::F32 => DType::F32,
+            WeightDType::Native | WeightDType::F32 => DType::F32,
             WeightDType::F16 => DType::F16,
             WeightDType::Bf16 => DType::BF16,
         }
@@ -502,7 +610,7 @@ impl std::str::FromStr for WeightDType {
             .find(|d| d.name() == s)
             .ok_or_else(|| {
                 ModelError::InvalidArgument(format!(
-                    "unknown dtype `{s}` (expected f32, f16 or bf16)"
+                    "unknown dtype `{s}` (expected native, f32, f16 or bf16)"
                 ))
             })
     }
@@ -511,6 +619,24 @@ impl std::str::FromStr for WeightDType {
 impl std::fmt::Display for WeightDType {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+/// A weight matrix being built: its parameter and, with native weights, its block form.
+struct Matrix {
+    param: Param<Tensor<2>>,
+    native: Option<Arc<QuantMatrix>>,
+}
+
+/// The dense dtype that keeps float tensors of these stored types exactly (f16 or bf16 when
+/// all are; f32 otherwise, quantized types included).
+fn dense_dtype(types: &[GgmlType]) -> WeightDType {
+    if types.iter().all(|t| *t == GgmlType::F16) {
+        WeightDType::F16
+    } else if types.iter().all(|t| *t == GgmlType::Bf16) {
+        WeightDType::Bf16
+    } else {
+        WeightDType::F32
     }
 }
 

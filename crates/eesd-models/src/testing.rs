@@ -151,6 +151,38 @@ pub fn tiny_gguf_bytes(config: &LlamaConfig, seed: u64) -> Vec<u8> {
     w.to_bytes()
 }
 
+/// The tiny model as GGUF bytes with quantized matrices, as GGUF files usually are: the
+/// embedding in Q8_0, the layers' projections in Q4_1 (norm gains stay f32). Loaded with
+/// [`crate::WeightDType::Native`], it runs the quantized kernels.
+pub fn tiny_quantized_gguf_bytes(config: &LlamaConfig, seed: u64) -> Vec<u8> {
+    use crate::quant::{GgmlType, quantize_q4_1, quantize_q8_0};
+    let mut w = GgufWriter::new();
+    gguf_metadata(&mut w, config);
+    for (name, t) in random_weights(config, seed) {
+        let t = match name {
+            WeightName::Q(_) => permute_rope_rows(&t, config.num_heads),
+            WeightName::K(_) => permute_rope_rows(&t, config.num_kv_heads),
+            _ => t,
+        };
+        match (name, t.shape.len()) {
+            (_, 1) => w.tensor_f32(name.gguf(), &t.shape, &t.values),
+            (WeightName::Embedding, _) => w.tensor(
+                name.gguf(),
+                &t.shape,
+                GgmlType::Q8_0,
+                quantize_q8_0(&t.values),
+            ),
+            _ => w.tensor(
+                name.gguf(),
+                &t.shape,
+                GgmlType::Q4_1,
+                quantize_q4_1(&t.values),
+            ),
+        };
+    }
+    w.to_bytes()
+}
+
 /// Writes the tiny model as a GGUF file.
 pub fn write_tiny_gguf(path: &Path, config: &LlamaConfig, seed: u64) -> Result<()> {
     std::fs::write(path, tiny_gguf_bytes(config, seed)).map_err(|e| ModelError::io(path, e))

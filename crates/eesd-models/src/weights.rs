@@ -9,8 +9,10 @@ use std::path::{Path, PathBuf};
 
 use safetensors::{Dtype, SafeTensors};
 
+use crate::cpu::QuantFormat;
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
+use crate::quant::GgmlType;
 
 /// A weight of the LLaMA architecture, format-independent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -115,24 +117,47 @@ pub fn permute_rope_rows(t: &HostTensor, heads: usize) -> HostTensor {
 }
 
 fn permute_rows(t: &HostTensor, heads: usize, to_gguf: bool) -> HostTensor {
-    let (rows, cols) = (t.shape[0], t.shape[1]);
+    HostTensor {
+        values: permute_row_chunks(&t.values, t.shape[0], heads, to_gguf),
+        shape: t.shape.clone(),
+    }
+}
+
+/// The rows of `data` (`rows` equal chunks: f32 values, or a quantized row's bytes) moved
+/// between GGUF's interleaved and Hugging Face's rotate-half q/k order (see
+/// [`unpermute_rope_rows`]).
+fn permute_row_chunks<T: Copy + Default>(
+    data: &[T],
+    rows: usize,
+    heads: usize,
+    to_gguf: bool,
+) -> Vec<T> {
+    let cols = data.len() / rows.max(1);
     let dim = rows / heads;
     let half = dim / 2;
-    let mut out = vec![0f32; rows * cols];
+    let mut out = vec![T::default(); data.len()];
     for h in 0..heads {
         for s in 0..2 {
             for i in 0..half {
                 let (gguf, hf) = (h * dim + 2 * i + s, h * dim + s * half + i);
                 let (src, dst) = if to_gguf { (hf, gguf) } else { (gguf, hf) };
                 out[dst * cols..(dst + 1) * cols]
-                    .copy_from_slice(&t.values[src * cols..(src + 1) * cols]);
+                    .copy_from_slice(&data[src * cols..(src + 1) * cols]);
             }
         }
     }
-    HostTensor {
-        values: out,
-        shape: t.shape.clone(),
-    }
+    out
+}
+
+/// A weight matrix as stored in a GGUF file, in a block format the quantized kernel reads.
+#[derive(Debug, Clone)]
+pub struct QuantizedTensor {
+    /// Block format.
+    pub format: QuantFormat,
+    /// The blocks, row-major (q/k rows already in Hugging Face order).
+    pub bytes: Vec<u8>,
+    /// `[rows, row length]`.
+    pub shape: [usize; 2],
 }
 
 /// A source of named weights.
@@ -194,6 +219,88 @@ impl Checkpoint {
             Checkpoint::Gguf(f) => f.tensors().contains_key(&name.gguf()),
             Checkpoint::SafeTensors { index, .. } => index.contains_key(&name.hf()),
         }
+    }
+
+    /// How a weight is stored: its GGML type in a GGUF file; F32, F16 or BF16 in safetensors.
+    pub fn stored_type(&self, name: WeightName) -> Result<GgmlType> {
+        match self {
+            Checkpoint::Gguf(f) => f
+                .tensors()
+                .get(&name.gguf())
+                .map(|info| info.kind)
+                .ok_or_else(|| ModelError::MissingTensor(name.gguf())),
+            Checkpoint::SafeTensors { files, index } => {
+                let key = name.hf();
+                let path = index
+                    .get(&key)
+                    .ok_or_else(|| ModelError::MissingTensor(key.clone()))?;
+                let (_, meta) = SafeTensors::read_metadata(&files[path])
+                    .map_err(|e| ModelError::Malformed(format!("{}: {e}", path.display())))?;
+                let info = meta
+                    .info(&key)
+                    .ok_or_else(|| ModelError::MissingTensor(key.clone()))?;
+                Ok(match info.dtype {
+                    Dtype::F16 => GgmlType::F16,
+                    Dtype::BF16 => GgmlType::Bf16,
+                    _ => GgmlType::F32,
+                })
+            }
+        }
+    }
+
+    /// The shape of a weight (Hugging Face order, outermost first), without reading its values.
+    pub fn read_shape(&self, name: WeightName) -> Result<Vec<usize>> {
+        match self {
+            Checkpoint::Gguf(f) => f
+                .tensors()
+                .get(&name.gguf())
+                .map(|info| info.shape())
+                .ok_or_else(|| ModelError::MissingTensor(name.gguf())),
+            Checkpoint::SafeTensors { files, index } => {
+                let key = name.hf();
+                let path = index
+                    .get(&key)
+                    .ok_or_else(|| ModelError::MissingTensor(key.clone()))?;
+                let (_, meta) = SafeTensors::read_metadata(&files[path])
+                    .map_err(|e| ModelError::Malformed(format!("{}: {e}", path.display())))?;
+                meta.info(&key)
+                    .map(|info| info.shape.clone())
+                    .ok_or(ModelError::MissingTensor(key))
+            }
+        }
+    }
+
+    /// Reads a 2-D weight in its quantized block format, or `None` when it is not stored in one
+    /// the quantized kernel reads (floats, safetensors). `heads` as in [`Checkpoint::read`].
+    pub fn read_quantized(
+        &self,
+        name: WeightName,
+        heads: usize,
+    ) -> Result<Option<QuantizedTensor>> {
+        let Checkpoint::Gguf(f) = self else {
+            return Ok(None);
+        };
+        let info = f
+            .tensors()
+            .get(&name.gguf())
+            .ok_or_else(|| ModelError::MissingTensor(name.gguf()))?;
+        let shape = info.shape();
+        let (Some(format), &[rows, cols]) = (QuantFormat::from_ggml(info.kind), shape.as_slice())
+        else {
+            return Ok(None);
+        };
+        let bytes = f.tensor_bytes(info)?;
+        let bytes = match name {
+            WeightName::Q(_) | WeightName::K(_) if heads > 0 && rows.is_multiple_of(2 * heads) => {
+                permute_row_chunks(bytes, rows, heads, false)
+            }
+            _ => bytes.to_vec(),
+        };
+        Ok(Some(QuantizedTensor {
+            format,
+            bytes,
+            shape: [rows, cols],
+        }))
     }
 
     /// Reads a weight as f32 in Hugging Face layout. `heads` is the head count of a q/k projection

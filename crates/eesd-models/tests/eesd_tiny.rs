@@ -7,7 +7,9 @@ mod common;
 use std::ops::ControlFlow;
 
 use burn::tensor::Tensor;
-use common::{POLICIES, RandomHead, assert_same_distribution, sampled_histogram, tiny};
+use common::{
+    POLICIES, RandomHead, assert_same_distribution, sampled_histogram, tiny, tiny_quantized,
+};
 use eesd_bandit::Policy;
 use eesd_core::{
     CoreError, DraftHead, GenerationConfig, GenerationOutput, Generator, LayeredModel, Mode,
@@ -33,8 +35,12 @@ const PROMPT: [u32; 6] = [257, 72, 101, 108, 108, 111];
 
 #[test]
 fn greedy_eesd_equals_ar_for_every_layer_policy_and_head() {
-    for seed in 0..3 {
-        let model = tiny(seed);
+    // Seeds 0..3 with f32 weights, 3..5 with Q4_1/Q8_0 weights run natively.
+    for seed in 0..5 {
+        let model = match seed {
+            0..3 => tiny(seed),
+            _ => tiny_quantized(seed),
+        };
         let ar_config = GenerationConfig {
             max_new_tokens: 40,
             ..Default::default()

@@ -7,7 +7,7 @@ mod common;
 
 use std::ops::ControlFlow;
 
-use common::{assert_same_distribution, sampled_histogram, tiny};
+use common::{assert_same_distribution, sampled_histogram, tiny, tiny_quantized};
 use eesd_core::drafters::DrafterSpec;
 use eesd_core::{
     DraftTree, Drafter, GenerationConfig, GenerationOutput, Generator, LayeredModel, Mode,
@@ -79,8 +79,12 @@ fn generate(
 
 #[test]
 fn greedy_tree_speculation_equals_ar_for_every_drafter() {
-    for seed in 0..3 {
-        let model = tiny(seed);
+    // Seeds 0..3 with f32 weights, 3..5 with Q4_1/Q8_0 weights run natively.
+    for seed in 0..5 {
+        let model = match seed {
+            0..3 => tiny(seed),
+            _ => tiny_quantized(seed),
+        };
         let vocab = model.config().vocab_size;
         let ar_config = GenerationConfig {
             max_new_tokens: 40,

@@ -16,8 +16,10 @@ use burn_flex::FlexTensor;
 
 use super::attention::{Heads, KvStore, attend};
 use super::flex::flex_f32;
+use super::matmul::ShapeError;
 use super::packed::PackedWeight;
 use super::pool::Pool;
+use super::qmatmul::QuantMatrix;
 use super::rows::{rms_norm, rope, silu_mul};
 use eesd_core::TreeMask;
 
@@ -71,18 +73,45 @@ pub(crate) fn forward(
     )
 }
 
-/// The packed matrices and gains of one layer.
+/// A weight matrix in the form a kernel reads.
+enum Product {
+    /// Panel-order floats.
+    Packed(Arc<PackedWeight>),
+    /// The file's quantized blocks.
+    Quantized(Arc<QuantMatrix>),
+}
+
+impl Product {
+    fn matmul(&self, x: &[f32], y: &mut [f32]) -> std::result::Result<(), ShapeError> {
+        match self {
+            Product::Packed(m) => m.matmul(x, y),
+            Product::Quantized(m) => m.matmul(x, y),
+        }
+    }
+
+    fn out(&self) -> usize {
+        match self {
+            Product::Packed(m) => m.out(),
+            Product::Quantized(m) => m.out(),
+        }
+    }
+}
+
+/// The matrices and gains of one layer.
 struct Weights {
-    wqkv: Arc<PackedWeight>,
-    wo: Arc<PackedWeight>,
-    mlp: Option<(Arc<PackedWeight>, Arc<PackedWeight>)>,
+    wqkv: Product,
+    wo: Product,
+    mlp: Option<(Product, Product)>,
     attn_norm: FlexTensor,
     mlp_norm: FlexTensor,
 }
 
 impl Weights {
     fn of(layer: &DecoderLayer, mlp: bool) -> Option<Self> {
-        let get = |w: &burn::module::Param<Tensor<2>>| layer.packed.get(&w.val());
+        let get = |w: &burn::module::Param<Tensor<2>>| match layer.native.get(w) {
+            Some(q) => Some(Product::Quantized(q.clone())),
+            None => layer.packed.get(&w.val()).map(Product::Packed),
+        };
         Some(Weights {
             wqkv: get(&layer.wqkv)?,
             wo: get(&layer.wo)?,
@@ -172,7 +201,7 @@ fn run(
         true => t,
         false => t.div_ceil(pool.threads() * 2).max(1),
     };
-    let product = |m: &PackedWeight, input: &[f32], y: &mut [f32]| -> Result<()> {
+    let product = |m: &Product, input: &[f32], y: &mut [f32]| -> Result<()> {
         m.matmul(input, y)
             .map_err(|e| ModelError::InvalidArgument(e.to_string()))
     };

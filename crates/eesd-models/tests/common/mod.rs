@@ -66,7 +66,8 @@ pub fn model() -> &'static LoadedModel {
 
 /// The real model with weights in `dtype`, loaded once per test binary and dtype.
 pub fn model_in(dtype: WeightDType) -> &'static LoadedModel {
-    static MODELS: [OnceLock<LoadedModel>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    static MODELS: [OnceLock<LoadedModel>; WeightDType::ALL.len()] =
+        [const { OnceLock::new() }; WeightDType::ALL.len()];
     let slot = WeightDType::ALL
         .iter()
         .position(|&d| d == dtype)
@@ -274,6 +275,20 @@ pub fn tiny(seed: u64) -> eesd_models::Llama {
     LoadedModel::load(&path, &device(), &LoadOptions::default())
         .unwrap()
         .model
+}
+
+/// The tiny model with Q4_1/Q8_0 matrices (see `tiny_quantized_gguf_bytes`), loaded with
+/// native weights: the quantized kernels run.
+pub fn tiny_quantized(seed: u64) -> eesd_models::Llama {
+    use eesd_models::testing::{tiny_config, tiny_quantized_gguf_bytes};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-q.gguf");
+    std::fs::write(&path, tiny_quantized_gguf_bytes(&tiny_config(), seed)).unwrap();
+    let options = LoadOptions {
+        dtype: WeightDType::Native,
+        ..Default::default()
+    };
+    LoadedModel::load(&path, &device(), &options).unwrap().model
 }
 
 /// p-value of the chi-square test that two samples come from one distribution.
