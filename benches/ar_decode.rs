@@ -1,7 +1,7 @@
 //! Greedy autoregressive decoding speed (tokens/s) per backend and weight dtype.
 //!
 //! ```text
-//! cargo bench --bench ar_decode -- [--backends flex,tch] [--dtypes f32,f16,bf16] [--max-new-tokens 128] [--json]
+//! cargo bench --bench ar_decode -- [--backends flex,tch] [--dtypes native,f32,f16,bf16] [--max-new-tokens 128] [--json]
 //! ```
 //! Prompts are the first questions of a few Spec-Bench categories, through the chat template.
 //! Each configuration runs every prompt once after one warm-up generation. On the CPU backends
@@ -22,8 +22,8 @@ struct Args {
     /// Backends to measure.
     #[arg(long, value_delimiter = ',', default_value = "flex")]
     backends: Vec<Backend>,
-    /// Weight dtypes to measure (f32, f16, bf16).
-    #[arg(long, value_delimiter = ',', default_value = "f32,f16,bf16")]
+    /// Weight dtypes to measure (native, f32, f16, bf16).
+    #[arg(long, value_delimiter = ',', default_value = "native,f32,f16,bf16")]
     dtypes: Vec<WeightDType>,
     /// New tokens per prompt.
     #[arg(long, default_value_t = 128)]

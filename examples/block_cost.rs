@@ -2,7 +2,7 @@
 //! the asymmetry speculative decoding relies on (verifying b tokens ≈ decoding one).
 //!
 //! ```text
-//! cargo run --release --example block_cost -- [--dtypes f32,f16,bf16] [--blocks 1,2,4,8,16,32,64] [--json]
+//! cargo run --release --example block_cost -- [--dtypes native,f32,f16,bf16] [--blocks 1,2,4,8,16,32,64] [--json]
 //! ```
 //! In the same run it measures the machine's read bandwidth and FMA peak (on the kernels' threads
 //! and instruction set) and reports, per weight dtype and block size: the time of a full forward
@@ -23,7 +23,7 @@ struct Args {
     #[arg(long, default_value = "flex")]
     device: Backend,
     /// Weight dtypes.
-    #[arg(long, value_delimiter = ',', default_value = "f32,f16,bf16")]
+    #[arg(long, value_delimiter = ',', default_value = "native,f32,f16,bf16")]
     dtypes: Vec<WeightDType>,
     /// Block sizes (rows per forward pass).
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]

@@ -32,8 +32,8 @@ struct Args {
     /// Backend: flex, tch, tch-cuda, cuda or vulkan.
     #[arg(long, default_value = "flex")]
     device: Backend,
-    /// Weight precision on the device: f32, f16 or bf16.
-    #[arg(long, default_value = "f32")]
+    /// Weights on the device: native (the file's quantized blocks), f32, f16 or bf16.
+    #[arg(long, default_value = "native")]
     dtype: WeightDType,
     /// ar, eesd, tree, or compare (AR, EESD and tree on the same prompt, with speedups).
     #[arg(long, default_value = "compare")]

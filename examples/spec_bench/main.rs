@@ -41,6 +41,9 @@ struct Args {
     /// Questions per category (the first ones of each).
     #[arg(long, default_value_t = 2)]
     per_category: usize,
+    /// Weights: native (the file's quantized blocks), f32, f16 or bf16.
+    #[arg(long, default_value = "native")]
+    dtype: WeightDType,
     /// New tokens per answer.
     #[arg(long, default_value_t = 128)]
     max_new_tokens: usize,
@@ -245,7 +248,7 @@ fn main() -> Result<()> {
         &path,
         &device,
         &LoadOptions {
-            dtype: WeightDType::F32,
+            dtype: args.dtype,
             context_length: Some(4096),
         },
     )?;
@@ -365,7 +368,8 @@ fn main() -> Result<()> {
         None => totals[0]["overall"].summary(&totals[0]["overall"]),
     };
     let report = serde_json::json!({
-        "model": path.display().to_string(), "device": args.device.name(), "questions": questions.len(),
+        "model": path.display().to_string(), "device": args.device.name(), "dtype": args.dtype.name(),
+        "questions": questions.len(),
         "max_new_tokens": args.max_new_tokens, "overall": overall, "methods": per_method,
     });
 
