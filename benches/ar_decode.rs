@@ -54,6 +54,7 @@ fn main() -> Result<()> {
     if let (Some(m), false) = (&machine, args.json) {
         println!("{m}");
     }
+    let file_bytes = std::fs::metadata(&path)?.len();
     let mut results = Vec::new();
     for backend in &args.backends {
         let machine = machine
@@ -65,7 +66,10 @@ fn main() -> Result<()> {
                 dtype,
                 context_length: Some(1024),
             };
+            let rss_before = resident_bytes();
             let lm = LoadedModel::load(&path, &device, &options).context("load")?;
+            // Memory the loaded model added to the process (load-time buffers already freed).
+            let model_rss = resident_bytes().saturating_sub(rss_before);
             let config = GenerationConfig {
                 max_new_tokens: args.max_new_tokens,
                 ..Default::default()
@@ -98,14 +102,19 @@ fn main() -> Result<()> {
                 "backend": backend.name(), "dtype": dtype.name(), "new_tokens": tokens,
                 "tokens_per_second": tokens as f64 / seconds,
                 "decode_tokens_per_second": decode_tps,
+                "weight_bytes": lm.model.weight_bytes(), "file_bytes": file_bytes,
+                "model_resident_bytes": model_rss,
             });
             let mut line = format!(
-                "{:>8} {:>5}: {:6.1} tokens/s overall, {:6.1} tokens/s decoding ({} tokens)",
+                "{:>8} {:>6}: {:6.1} tokens/s overall, {:6.1} tokens/s decoding ({} tokens), weights {:.0} MB (file {:.0} MB, resident +{:.0} MB)",
                 backend.name(),
                 dtype.name(),
                 tokens as f64 / seconds,
                 decode_tps,
-                tokens
+                tokens,
+                lm.model.weight_bytes() as f64 / 1e6,
+                file_bytes as f64 / 1e6,
+                model_rss as f64 / 1e6,
             );
             if machine.is_some() {
                 let efficiency = limit_seconds / decode_seconds;
@@ -130,4 +139,15 @@ fn main() -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Resident memory of this process (Linux `VmRSS`; 0 elsewhere).
+fn resident_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("VmRSS:"))?.to_owned();
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(0, |kib| kib * 1024)
 }
