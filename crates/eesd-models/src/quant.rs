@@ -162,7 +162,8 @@ fn dequant_q8_0(b: &[u8], out: &mut Vec<f32>) {
 }
 
 /// The 6-bit scale and min of sub-block `j` of a Q4_K super-block (ggml's `get_scale_min_k4`).
-fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+#[inline(always)]
+pub(crate) fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
     if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {

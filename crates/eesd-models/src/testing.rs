@@ -136,16 +136,21 @@ pub fn byte_level_alphabet() -> Vec<String> {
     by_byte
 }
 
+/// `t` with q/k rows permuted to GGUF's interleaved-RoPE order, as llama.cpp's converter does.
+fn gguf_row_order(name: WeightName, t: HostTensor, config: &LlamaConfig) -> HostTensor {
+    match name {
+        WeightName::Q(_) => permute_rope_rows(&t, config.num_heads),
+        WeightName::K(_) => permute_rope_rows(&t, config.num_kv_heads),
+        _ => t,
+    }
+}
+
 /// The tiny model as GGUF bytes (f32 tensors, q/k permuted like llama.cpp does).
 pub fn tiny_gguf_bytes(config: &LlamaConfig, seed: u64) -> Vec<u8> {
     let mut w = GgufWriter::new();
     gguf_metadata(&mut w, config);
     for (name, t) in random_weights(config, seed) {
-        let t = match name {
-            WeightName::Q(_) => permute_rope_rows(&t, config.num_heads),
-            WeightName::K(_) => permute_rope_rows(&t, config.num_kv_heads),
-            _ => t,
-        };
+        let t = gguf_row_order(name, t, config);
         w.tensor_f32(name.gguf(), &t.shape, &t.values);
     }
     w.to_bytes()
@@ -159,11 +164,7 @@ pub fn tiny_quantized_gguf_bytes(config: &LlamaConfig, seed: u64) -> Vec<u8> {
     let mut w = GgufWriter::new();
     gguf_metadata(&mut w, config);
     for (name, t) in random_weights(config, seed) {
-        let t = match name {
-            WeightName::Q(_) => permute_rope_rows(&t, config.num_heads),
-            WeightName::K(_) => permute_rope_rows(&t, config.num_kv_heads),
-            _ => t,
-        };
+        let t = gguf_row_order(name, t, config);
         match (name, t.shape.len()) {
             (_, 1) => w.tensor_f32(name.gguf(), &t.shape, &t.values),
             (WeightName::Embedding, _) => w.tensor(

@@ -229,16 +229,8 @@ impl Checkpoint {
                 .get(&name.gguf())
                 .map(|info| info.kind)
                 .ok_or_else(|| ModelError::MissingTensor(name.gguf())),
-            Checkpoint::SafeTensors { files, index } => {
-                let key = name.hf();
-                let path = index
-                    .get(&key)
-                    .ok_or_else(|| ModelError::MissingTensor(key.clone()))?;
-                let (_, meta) = SafeTensors::read_metadata(&files[path])
-                    .map_err(|e| ModelError::Malformed(format!("{}: {e}", path.display())))?;
-                let info = meta
-                    .info(&key)
-                    .ok_or_else(|| ModelError::MissingTensor(key.clone()))?;
+            Checkpoint::SafeTensors { .. } => {
+                let info = self.safetensors_info(name)?;
                 Ok(match info.dtype {
                     Dtype::F16 => GgmlType::F16,
                     Dtype::BF16 => GgmlType::Bf16,
@@ -246,6 +238,22 @@ impl Checkpoint {
                 })
             }
         }
+    }
+
+    /// The header entry (dtype, shape) of a weight in a safetensors checkpoint.
+    fn safetensors_info(&self, name: WeightName) -> Result<safetensors::tensor::TensorInfo> {
+        let key = name.hf();
+        let Checkpoint::SafeTensors { files, index } = self else {
+            return Err(ModelError::MissingTensor(key));
+        };
+        let path = index
+            .get(&key)
+            .ok_or_else(|| ModelError::MissingTensor(key.clone()))?;
+        let (_, meta) = SafeTensors::read_metadata(&files[path])
+            .map_err(|e| ModelError::Malformed(format!("{}: {e}", path.display())))?;
+        meta.info(&key)
+            .cloned()
+            .ok_or(ModelError::MissingTensor(key))
     }
 
     /// The shape of a weight (Hugging Face order, outermost first), without reading its values.
@@ -256,17 +264,7 @@ impl Checkpoint {
                 .get(&name.gguf())
                 .map(|info| info.shape())
                 .ok_or_else(|| ModelError::MissingTensor(name.gguf())),
-            Checkpoint::SafeTensors { files, index } => {
-                let key = name.hf();
-                let path = index
-                    .get(&key)
-                    .ok_or_else(|| ModelError::MissingTensor(key.clone()))?;
-                let (_, meta) = SafeTensors::read_metadata(&files[path])
-                    .map_err(|e| ModelError::Malformed(format!("{}: {e}", path.display())))?;
-                meta.info(&key)
-                    .map(|info| info.shape.clone())
-                    .ok_or(ModelError::MissingTensor(key))
-            }
+            Checkpoint::SafeTensors { .. } => Ok(self.safetensors_info(name)?.shape),
         }
     }
 

@@ -10,7 +10,7 @@
 
 use half::f16;
 
-use crate::quant::GgmlType;
+use crate::quant::{GgmlType, scale_min_k4};
 
 /// Weights per sub-block: the granularity of scales in every format, and of the activations'
 /// 8-bit quantization.
@@ -202,19 +202,6 @@ impl std::fmt::Display for QuantFormat {
 #[inline(always)]
 pub(crate) fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
-}
-
-/// The 6-bit scale and min of sub-block `j` of a Q4_K super-block (ggml's `get_scale_min_k4`).
-#[inline(always)]
-fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
-    if j < 4 {
-        (s[j] & 63, s[j + 4] & 63)
-    } else {
-        (
-            (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4),
-            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
-        )
-    }
 }
 
 /// Deterministic pseudo-random blocks with small finite scales (any bit pattern is a valid
