@@ -45,7 +45,7 @@ echo "{\"machine\": \"$(lscpu | sed -n 's/^Model name: *//p' | head -1)\", \"thr
 import json, sys
 for line in sys.stdin:
     r = json.loads(line)
-    test = f"pp{r[\"n_prompt\"]}" if r["n_prompt"] else f"tg{r[\"n_gen\"]}"
+    test = "pp%d" % r["n_prompt"] if r["n_prompt"] else "tg%d" % r["n_gen"]
     print(json.dumps({"engine": "llama.cpp", "build": r.get("build_commit"), "test": test,
                       "tokens_per_second": round(r["avg_ts"], 1), "stddev": round(r["stddev_ts"], 1)}))
 '
