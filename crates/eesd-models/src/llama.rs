@@ -108,27 +108,21 @@ impl Llama {
                         None => break,
                     }
                 }
-                if quantized.len() == parts.len() {
-                    let mut m: Option<QuantMatrix> = None;
+                let mut quantized = quantized.into_iter();
+                if quantized.len() == parts.len()
+                    && let Some(first) = quantized.next()
+                {
+                    let bad = |e: ShapeError| ModelError::Malformed(e.to_string());
+                    let mut m = QuantMatrix::new(first.format, first.bytes, first.shape[0], inn)
+                        .map_err(bad)?;
                     for t in quantized {
-                        let bad = |e: ShapeError| ModelError::Malformed(e.to_string());
-                        match m.as_mut() {
-                            None => {
-                                m = Some(
-                                    QuantMatrix::new(t.format, t.bytes, t.shape[0], inn)
-                                        .map_err(bad)?,
-                                )
-                            }
-                            Some(m) => m.push(t.format, t.bytes, t.shape[0]).map_err(bad)?,
-                        }
+                        m.push(t.format, t.bytes, t.shape[0]).map_err(bad)?;
                     }
-                    if let Some(m) = m {
-                        let m = Arc::new(m);
-                        return Ok(Matrix {
-                            param: lazy_param(m.clone(), device),
-                            native: Some(m),
-                        });
-                    }
+                    let m = Arc::new(m);
+                    return Ok(Matrix {
+                        param: lazy_param(m.clone(), device),
+                        native: Some(m),
+                    });
                 }
             }
             let dense = match dtype {
@@ -296,7 +290,10 @@ impl Llama {
         let matrix = |p: &Param<Tensor<2>>, native: Option<&Arc<QuantMatrix>>| {
             let dense = match (native, p.is_initialized()) {
                 (Some(_), false) => 0,
-                _ => p.val().shape().num_elements() * p.val().dtype().size(),
+                _ => {
+                    let t = p.val();
+                    t.shape().num_elements() * t.dtype().size()
+                }
             };
             dense + native.map_or(0, |q| q.bytes())
         };

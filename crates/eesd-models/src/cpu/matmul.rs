@@ -384,18 +384,8 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::test_inputs::{isas, values};
     use half::{bf16, f16};
-
-    fn values(n: usize, seed: u32) -> Vec<f32> {
-        (0..n)
-            .map(|i| {
-                let h = (i as u32 ^ seed)
-                    .wrapping_mul(2_654_435_761)
-                    .rotate_left(13);
-                (h % 20001) as f32 / 10000.0 - 1.0
-            })
-            .collect()
-    }
 
     fn naive<E: WeightElement>(x: &[f32], w: &[E], k: usize) -> Vec<f64> {
         let (b, out) = (x.len() / k, w.len() / k);
@@ -422,14 +412,6 @@ mod tests {
             }
         }
         y
-    }
-
-    /// Every ISA this CPU has (the portable path always).
-    fn isas() -> Vec<Isa> {
-        [Isa::Portable, Isa::Avx2, Isa::Avx512]
-            .into_iter()
-            .filter(|isa| isa.supported() == *isa)
-            .collect()
     }
 
     fn product<E: WeightElement>(

@@ -43,3 +43,29 @@ pub use roofline::Roofline;
 #[cfg(not(feature = "flex"))]
 #[derive(Debug, Clone, Default)]
 pub struct PackedCache;
+
+/// Inputs shared by the kernels' tests.
+#[cfg(test)]
+pub(crate) mod test_inputs {
+    use super::Isa;
+
+    /// `n` deterministic values in [-1, 1].
+    pub(crate) fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let h = (i as u32 ^ seed)
+                    .wrapping_mul(2_654_435_761)
+                    .rotate_left(13);
+                (h % 20001) as f32 / 10000.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// Every ISA this CPU has (the portable path always).
+    pub(crate) fn isas() -> Vec<Isa> {
+        [Isa::Portable, Isa::Avx2, Isa::Avx512]
+            .into_iter()
+            .filter(|isa| isa.supported() == *isa)
+            .collect()
+    }
+}

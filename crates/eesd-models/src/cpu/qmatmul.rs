@@ -134,31 +134,23 @@ impl QuantMatrix {
         Some((p.format, &p.data[(o - p.first) * bytes..][..bytes]))
     }
 
-    /// Output row `o` dequantized to f32 (as [`crate::quant::GgmlType::dequantize`] does).
+    /// Output row `o` dequantized to f32 (by [`crate::quant::GgmlType::dequantize`], so the
+    /// values equal those of a dequantizing load).
     pub fn dequantize_row(&self, o: usize, out: &mut [f32]) -> Result<(), ShapeError> {
-        let Some((format, bytes)) = self.row(o).filter(|_| out.len() == self.k) else {
-            return Err(ShapeError::Operands {
-                x: out.len(),
-                y: o,
-                out: self.out,
-                k: self.k,
-            });
+        let bad = ShapeError::Operands {
+            x: out.len(),
+            y: o,
+            out: self.out,
+            k: self.k,
         };
-        for (b, block) in bytes.chunks_exact(format.block_bytes()).enumerate() {
-            for s in 0..format.block_len() / SUB {
-                let q = format.values(block, s);
-                let sc = format.scales(block, s);
-                let y = &mut out[b * format.block_len() + s * SUB..][..SUB];
-                for (e, (y, &q)) in y.iter_mut().zip(&q).enumerate() {
-                    let offset = match sc.offset {
-                        Offset::None => 0.0,
-                        Offset::Whole(m) => m,
-                        Offset::Halves(a, c) => [a, c][e / 16],
-                    };
-                    *y = sc.scale[e / 16] * q as f32 + offset;
-                }
-            }
-        }
+        let Some((format, bytes)) = self.row(o).filter(|_| out.len() == self.k) else {
+            return Err(bad);
+        };
+        let values = format
+            .ggml()
+            .dequantize("row", bytes, self.k)
+            .map_err(|_| bad)?;
+        out.copy_from_slice(&values);
         Ok(())
     }
 
@@ -603,27 +595,10 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::test_inputs::{isas, values};
 
     fn blocks(format: QuantFormat, blocks: usize, seed: u32) -> Vec<u8> {
         super::super::qformat::test_blocks(format, blocks, seed)
-    }
-
-    fn values(n: usize, seed: u32) -> Vec<f32> {
-        (0..n)
-            .map(|i| {
-                let h = (i as u32 ^ seed)
-                    .wrapping_mul(2_654_435_761)
-                    .rotate_left(13);
-                (h % 20001) as f32 / 10000.0 - 1.0
-            })
-            .collect()
-    }
-
-    fn isas() -> Vec<Isa> {
-        [Isa::Portable, Isa::Avx2]
-            .into_iter()
-            .filter(|isa| isa.supported() == *isa)
-            .collect()
     }
 
     fn product(isa: Isa, pool: &Pool, m: &QuantMatrix, x: &[f32]) -> Vec<f32> {
