@@ -25,7 +25,7 @@ use eesd::models::{HeadKind, LayerHead, LoadOptions, LoadedModel, VocabSubset, f
 use eesd::train::checkpoint::FORMAT_VERSION;
 use eesd::train::{
     AnswerConfig, DistillConfig, Distiller, EvalMetrics, HeadMetadata, Sequence, TrainError,
-    file_sha256, generate_answers, pack, save_layer_head,
+    file_sha256, generate_answers, pack, recover_jsonl, save_layer_head, state_path,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -70,7 +70,8 @@ struct Args {
     #[arg(long, default_value_t = 1024)]
     tokens_per_step: usize,
     /// Continue the run saved in `OUT.state.json` (same data, configuration and batches)
-    /// instead of starting over.
+    /// instead of starting over (with no state saved yet, training starts from step 0; the
+    /// answers already in the data file are always kept).
     #[arg(long)]
     resume: bool,
     /// Save the training state (`OUT.state.json` + weights + optimizer moments) every this many
@@ -136,13 +137,8 @@ fn main() -> Result<()> {
         .unwrap_or_else(|| args.out.with_extension("data.jsonl"));
     // Lines are written as answers finish (batched generation finishes out of order), each
     // tagged with its prompt, so a resumed run answers exactly the missing prompts.
-    let mut records: Vec<Record> = match std::fs::read_to_string(&data_path) {
-        Ok(text) => text
-            .lines()
-            .map(serde_json::from_str)
-            .collect::<Result<_, _>>()?,
-        Err(_) => Vec::new(),
-    };
+    // A run killed mid-line leaves a torn last line: it is cut off and that prompt answered again.
+    let mut records: Vec<Record> = recover_jsonl(&data_path)?;
     let prompts: Vec<Prompt> = std::fs::read_to_string(&args.prompts)
         .with_context(|| format!("{}", args.prompts.display()))?
         .lines()
@@ -179,8 +175,9 @@ fn main() -> Result<()> {
                 prompt: missing[n],
                 sequence,
             };
+            // One write per line, so a kill tears at most the last line.
             let line = serde_json::to_string(&record).map_err(std::io::Error::other);
-            line.and_then(|line| writeln!(file, "{line}"))
+            line.and_then(|line| file.write_all(format!("{line}\n").as_bytes()))
                 .map_err(|source| TrainError::Io {
                     path: data_path.clone(),
                     source,
@@ -235,7 +232,15 @@ fn main() -> Result<()> {
     let init = args.init_layer.unwrap_or(args.exit_layer);
     let k = 4;
     // A resumed run gets back its configuration, evaluation history and time so far.
-    let (mut distiller, before, mut history, seconds_before) = if args.resume {
+    // `--resume` with no saved state yet (a run killed before its first save) starts over.
+    let saved = args.resume && state_path(&args.out).exists();
+    if args.resume && !saved {
+        eprintln!(
+            "no saved state at {}: starting the training from step 0",
+            state_path(&args.out).display()
+        );
+    }
+    let (mut distiller, before, mut history, seconds_before) = if saved {
         let (d, extra) = Distiller::resume(m, &args.out)?;
         eprintln!(
             "resuming at step {} of {}",

@@ -44,6 +44,27 @@ pub struct HeadMetadata {
     pub metrics: serde_json::Value,
 }
 
+/// Writes a file so that a reader (or a process started after this one was killed) sees either
+/// its old contents or the new ones whole, never a part: the bytes go to a scratch file beside
+/// it, are flushed to the disk, and the scratch file is renamed over `path`.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let scratch = path.with_file_name(format!(".{name}.{}.partial", std::process::id()));
+    let written = std::fs::File::create(&scratch).and_then(|mut file| {
+        file.write_all(bytes)?;
+        file.sync_all()
+    });
+    if let Err(e) = written.and_then(|()| std::fs::rename(&scratch, path)) {
+        let _ = std::fs::remove_file(&scratch);
+        return Err(ModelError::io(path, e));
+    }
+    Ok(())
+}
+
 /// SHA-256 of a file, hex-encoded.
 pub fn file_sha256(path: &Path) -> Result<String> {
     let mut file = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
@@ -128,9 +149,12 @@ pub fn save_layer_head(
                 .map_err(|e| malformed(e.to_string()))
         })
         .collect::<Result<Vec<_>>>()?;
-    safetensors::serialize_to_file(views, None, &st_path).map_err(|e| malformed(e.to_string()))?;
+    // Each file is replaced whole; the metadata goes last, so a run killed in between leaves
+    // new weights that the old metadata's shapes and hash checks still describe or refuse.
+    let weights = safetensors::serialize(views, None).map_err(|e| malformed(e.to_string()))?;
+    write_atomically(&st_path, &weights)?;
     let json = serde_json::to_string_pretty(metadata).map_err(|e| malformed(e.to_string()))?;
-    std::fs::write(&json_path, json).map_err(|e| ModelError::io(&json_path, e))
+    write_atomically(&json_path, json.as_bytes())
 }
 
 /// Reads a checkpoint's metadata.

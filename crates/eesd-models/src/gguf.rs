@@ -14,6 +14,9 @@ const DEFAULT_ALIGNMENT: u64 = 32;
 /// Upper bound for counts read from the header; a larger value means a corrupt file, and
 /// refusing it early keeps us from trying to allocate absurd amounts of memory.
 const MAX_COUNT: u64 = 1 << 24;
+/// Upper bound for the elements of one tensor (2^40: far beyond any model this crate runs), so
+/// that element counts and byte sizes are computed without overflow.
+const MAX_ELEMENTS: u64 = 1 << 40;
 
 /// A metadata value of a GGUF file.
 #[derive(Debug, Clone, PartialEq)]
@@ -126,6 +129,7 @@ impl GgufFile {
         let mut r = Reader {
             data: &data,
             pos: 0,
+            values_left: MAX_COUNT,
         };
         let magic: [u8; 4] = r.bytes(4)?.try_into().expect("4 bytes");
         if magic != MAGIC {
@@ -143,7 +147,11 @@ impl GgufFile {
             let key = r.string()?;
             let ty = r.u32()?;
             let value = r.value(ty, 0)?;
-            metadata.insert(key, value);
+            if metadata.insert(key.clone(), value).is_some() {
+                return Err(ModelError::Malformed(format!(
+                    "metadata key `{key}` is listed twice"
+                )));
+            }
         }
 
         let mut tensors = BTreeMap::new();
@@ -165,6 +173,15 @@ impl GgufFile {
                 }
                 dims.push(d as usize);
             }
+            if dims
+                .iter()
+                .try_fold(1usize, |n, &d| n.checked_mul(d))
+                .is_none_or(|n| n as u64 > MAX_ELEMENTS)
+            {
+                return Err(ModelError::Malformed(format!(
+                    "tensor `{name}` has dimensions {dims:?}, more than {MAX_ELEMENTS} elements"
+                )));
+            }
             let kind_id = r.u32()?;
             let kind =
                 GgmlType::from_id(kind_id).ok_or_else(|| ModelError::UnsupportedTensorType {
@@ -172,15 +189,18 @@ impl GgufFile {
                     kind: format!("ggml type id {kind_id}"),
                 })?;
             let offset = r.u64()?;
-            tensors.insert(
-                name.clone(),
-                GgufTensorInfo {
-                    name,
-                    dims,
-                    kind,
-                    offset,
-                },
-            );
+            if tensors.contains_key(&name) {
+                return Err(ModelError::Malformed(format!(
+                    "tensor `{name}` is listed twice"
+                )));
+            }
+            let info = GgufTensorInfo {
+                name: name.clone(),
+                dims,
+                kind,
+                offset,
+            };
+            tensors.insert(name, info);
         }
 
         let alignment = match metadata.get("general.alignment") {
@@ -207,17 +227,26 @@ impl GgufFile {
     }
 
     fn check_tensor_bounds(&self, info: &GgufTensorInfo) -> Result<()> {
+        self.tensor_range(info).map(|_| ())
+    }
+
+    /// Where a tensor's bytes lie in the file, checked to be inside it.
+    fn tensor_range(&self, info: &GgufTensorInfo) -> Result<std::ops::Range<usize>> {
         let size = info.kind.byte_size(&info.name, info.num_elements())? as u64;
-        let start = self.data_start + info.offset;
         let len = self.data.len() as u64;
-        if start.checked_add(size).is_none_or(|end| end > len) {
-            return Err(ModelError::Truncated {
-                offset: start,
-                needed: size,
-                len,
-            });
+        let truncated = |offset: u64| ModelError::Truncated {
+            offset,
+            needed: size,
+            len,
+        };
+        let start = self
+            .data_start
+            .checked_add(info.offset)
+            .ok_or(truncated(u64::MAX))?;
+        match start.checked_add(size) {
+            Some(end) if end <= len => Ok(start as usize..end as usize),
+            _ => Err(truncated(start)),
         }
-        Ok(())
     }
 
     /// The GGUF version (2 or 3).
@@ -275,15 +304,7 @@ impl GgufFile {
 
     /// The raw bytes of a tensor.
     pub fn tensor_bytes(&self, info: &GgufTensorInfo) -> Result<&[u8]> {
-        let size = info.kind.byte_size(&info.name, info.num_elements())?;
-        let start = (self.data_start + info.offset) as usize;
-        self.data
-            .get(start..start + size)
-            .ok_or(ModelError::Truncated {
-                offset: start as u64,
-                needed: size as u64,
-                len: self.data.len() as u64,
-            })
+        Ok(&self.data[self.tensor_range(info)?])
     }
 
     /// A tensor dequantized to f32, with its row-major shape.
@@ -304,6 +325,8 @@ impl GgufFile {
 struct Reader<'a> {
     data: &'a [u8],
     pos: usize,
+    /// Array elements the metadata may still hold.
+    values_left: u64,
 }
 
 impl<'a> Reader<'a> {
@@ -378,6 +401,22 @@ impl<'a> Reader<'a> {
                 }
                 let elem_ty = self.u32()?;
                 let n = self.count("array length")?;
+                // Every element takes at least one byte of the file (an empty nested array 12),
+                // so a longer array is truncated: refusing it bounds the values built per byte.
+                if n > (self.data.len() - self.pos) as u64 {
+                    return Err(ModelError::Truncated {
+                        offset: self.pos as u64,
+                        needed: n,
+                        len: self.data.len() as u64,
+                    });
+                }
+                // And the values of all metadata together are bounded (a tokenizer of 128k
+                // tokens needs about 400k), whatever the file's size.
+                self.values_left = self.values_left.checked_sub(n).ok_or_else(|| {
+                    ModelError::Malformed(format!(
+                        "metadata holds more than {MAX_COUNT} values in arrays"
+                    ))
+                })?;
                 let mut items = Vec::with_capacity(n.min(1 << 16) as usize);
                 for _ in 0..n {
                     items.push(self.value(elem_ty, depth + 1)?);

@@ -174,7 +174,20 @@ impl Llama {
             false => matrix(&[(WeightName::LmHead, c.vocab_size, 0)], h)?,
         };
 
-        let mut layers = Vec::with_capacity(c.num_layers);
+        // The position tables (`2 × context × head_dim` floats) are the one allocation the
+        // weights do not bound; a context larger than the embedding's elements is refused rather
+        // than allocated (the caller can shorten it with `LoadOptions::context_length`).
+        let table_values = 2 * d as u128 * c.context_length as u128;
+        let embedding_values = c.vocab_size as u128 * h as u128;
+        if table_values > embedding_values {
+            return Err(ModelError::InvalidConfig(format!(
+                "context length {} needs {table_values} position-table values, more than the \
+                 embedding's {}; load it with a shorter context",
+                c.context_length, embedding_values
+            )));
+        }
+        // Layers are pushed as they load: the count comes from the file's metadata.
+        let mut layers = Vec::new();
         for i in 0..c.num_layers {
             let wqkv = matrix(
                 &[

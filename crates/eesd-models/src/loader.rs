@@ -61,7 +61,17 @@ impl LoadedModel {
 
     /// Loads a GGUF file: config, tokenizer and chat template all come from its metadata.
     pub fn load_gguf(path: &Path, device: &Device, options: &LoadOptions) -> Result<Self> {
-        let file = GgufFile::open(path)?;
+        Self::from_gguf(GgufFile::open(path)?, path, device, options)
+    }
+
+    /// Builds the model of a parsed GGUF file (see [`LoadedModel::load_gguf`]); `source` is
+    /// recorded as where it came from.
+    pub fn from_gguf(
+        file: GgufFile,
+        source: impl Into<PathBuf>,
+        device: &Device,
+        options: &LoadOptions,
+    ) -> Result<Self> {
         let config = Self::apply(LlamaConfig::from_gguf(&file)?, options)?;
         let tokenizer = Tokenizer::from_gguf(&file)?;
         if tokenizer.vocab_size() != config.vocab_size {
@@ -89,7 +99,7 @@ impl LoadedModel {
             model,
             tokenizer,
             chat_template,
-            source: path.to_path_buf(),
+            source: source.into(),
         })
     }
 

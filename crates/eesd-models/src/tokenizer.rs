@@ -61,8 +61,16 @@ impl Tokenizer {
     pub fn from_file(path: impl AsRef<Path>, bos: Option<u32>, eos: Option<u32>) -> Result<Self> {
         let path = path.as_ref();
         let bytes = std::fs::read(path).map_err(|e| ModelError::io(path, e))?;
-        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
-            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))?;
+        Self::from_bytes(&bytes, bos, eos)
+            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))
+    }
+
+    /// Parses the bytes of a Hugging Face `tokenizer.json` (see [`Tokenizer::from_file`]).
+    pub fn from_bytes(bytes: &[u8], bos: Option<u32>, eos: Option<u32>) -> Result<Self> {
+        // Parsed as JSON first: tokenizers 0.22 panics (`expect("Helper")`) on a syntax error
+        // inside its `decoder` object, and a JSON value cannot have one.
+        let json: serde_json::Value = serde_json::from_slice(bytes).map_err(tok_err)?;
+        let inner: tokenizers::Tokenizer = serde_json::from_value(json).map_err(tok_err)?;
         Ok(Tokenizer {
             inner,
             bos,

@@ -149,6 +149,16 @@ fn permute_row_chunks<T: Copy + Default>(
     out
 }
 
+/// Whether `name` is one plain file name (no directory part, not `.` or `..`), as files that
+/// an index or a state names beside itself must be.
+pub fn is_plain_file_name(name: &str) -> bool {
+    let mut parts = Path::new(name).components();
+    matches!(
+        (parts.next(), parts.next()),
+        (Some(std::path::Component::Normal(_)), None)
+    ) && !name.contains(['/', '\\'])
+}
+
 /// A weight matrix as stored in a GGUF file, in a block format the quantized kernel reads.
 #[derive(Debug, Clone)]
 pub struct QuantizedTensor {
@@ -201,6 +211,13 @@ impl Checkpoint {
         let mut files = BTreeMap::new();
         let mut index = BTreeMap::new();
         for name in shard_names {
+            // An index names files beside it, nothing elsewhere on the machine.
+            if !is_plain_file_name(&name) {
+                return Err(ModelError::Malformed(format!(
+                    "{}: shard `{name}` is not a file name in the model directory",
+                    index_path.display()
+                )));
+            }
             let path = dir.join(&name);
             let bytes = std::fs::read(&path).map_err(|e| ModelError::io(&path, e))?;
             let st = SafeTensors::deserialize(&bytes)

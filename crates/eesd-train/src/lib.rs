@@ -13,9 +13,10 @@
 pub mod data;
 pub mod distill;
 pub mod error;
+pub mod fuzz;
 pub mod state;
 
-pub use data::{AnswerConfig, generate_answers};
+pub use data::{AnswerConfig, generate_answers, recover_jsonl};
 pub use distill::{DistillConfig, Distiller, EvalMetrics, Sequence, pack};
 pub use eesd_models::checkpoint::{
     self, HeadMetadata, file_sha256, load_layer_head, read_metadata, save_layer_head,

@@ -3,13 +3,15 @@
 //!
 //! A state `PREFIX` is `PREFIX.state.json` plus two burnpack files named after the step
 //! (`PREFIX.step-000300.head.bpk`, `PREFIX.step-000300.optim.bpk`). The JSON is written last
-//! and atomically (write, then rename), so an interrupted save leaves the previous state whole;
+//! and atomically ([`write_atomically`]; the burnpack files are written the same way by burn), so
+//! an interrupted save leaves the previous state whole;
 //! the previous step's files are removed only after that.
 
 use std::path::{Path, PathBuf};
 
 use burn::module::Module;
-use eesd_models::checkpoint::ensure_fits;
+use eesd_models::checkpoint::{ensure_fits, write_atomically};
+use eesd_models::weights::is_plain_file_name;
 use eesd_models::{HeadKind, LayerHead, Llama, VocabSubset};
 use serde::{Deserialize, Serialize};
 
@@ -51,10 +53,40 @@ pub fn state_path(prefix: &Path) -> PathBuf {
 pub fn read_state(prefix: &Path) -> Result<TrainingState> {
     let path = state_path(prefix);
     let text = std::fs::read_to_string(&path).map_err(|e| TrainError::io(&path, e))?;
-    serde_json::from_str(&text).map_err(|e| TrainError::Malformed {
-        path,
+    let state: TrainingState = serde_json::from_str(&text).map_err(|e| TrainError::Malformed {
+        path: path.clone(),
         reason: e.to_string(),
-    })
+    })?;
+    // The state names files beside itself, nothing elsewhere on the machine.
+    for file in [&state.head_file, &state.optim_file] {
+        if !is_plain_file_name(file) {
+            return Err(TrainError::Malformed {
+                path,
+                reason: format!("`{file}` is not a file name beside the state"),
+            });
+        }
+    }
+    Ok(state)
+}
+
+/// Reads a burnpack file with `read`, turning a panic inside burn into an error: burn 0.22
+/// checks a record's tensor ranks with assertions, so a corrupt or hostile optimizer file would
+/// otherwise abort the caller (found by the `train_state` fuzz target).
+fn guarded<T, E: std::fmt::Debug>(
+    path: &Path,
+    read: impl FnOnce() -> std::result::Result<T, E>,
+) -> Result<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(read)) {
+        Ok(result) => result.map_err(|e| record_error(path, e)),
+        Err(panic) => {
+            let reason = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("burn refused the file");
+            Err(record_error(path, reason))
+        }
+    }
 }
 
 fn record_error(path: &Path, e: impl std::fmt::Debug) -> TrainError {
@@ -99,10 +131,8 @@ impl<'m> Distiller<'m> {
             extra,
         };
         let json_path = state_path(prefix);
-        let tmp = json_path.with_extension("json.tmp");
-        let json = serde_json::to_string_pretty(&state).map_err(|e| record_error(&tmp, e))?;
-        std::fs::write(&tmp, json).map_err(|e| TrainError::io(&tmp, e))?;
-        std::fs::rename(&tmp, &json_path).map_err(|e| TrainError::io(&json_path, e))?;
+        let json = serde_json::to_string_pretty(&state).map_err(|e| record_error(&json_path, e))?;
+        write_atomically(&json_path, json.as_bytes())?;
         if let Some(old) = previous {
             for file in [old.head_file, old.optim_file] {
                 if file != state.head_file && file != state.optim_file {
@@ -141,16 +171,11 @@ impl<'m> Distiller<'m> {
         let mut distiller = Distiller::new(model, template, state.config.clone())?;
         let dir = prefix.parent().unwrap_or(Path::new(""));
         let head_path = dir.join(&state.head_file);
-        distiller.weights = distiller
-            .weights
-            .clone()
-            .try_load_file(&head_path)
-            .map_err(|e| record_error(&head_path, e))?;
+        let template = distiller.weights.clone();
+        distiller.weights = guarded(&head_path, || template.try_load_file(&head_path))?;
         let optim_path = dir.join(&state.optim_file);
         let fresh = optimizer(&state.config);
-        distiller.optim = fresh
-            .load(&optim_path)
-            .map_err(|e| record_error(&optim_path, e))?;
+        distiller.optim = guarded(&optim_path, || fresh.load(&optim_path))?;
         distiller.step = state.step;
         Ok((distiller, state.extra))
     }

@@ -1,0 +1,421 @@
+//! Entry points that feed untrusted bytes through every parser of a user's model files, the way
+//! loading a downloaded file would: the coverage-guided fuzz targets in `fuzz/` call them, and
+//! the regression tests replay every input those campaigns kept (`fuzz/regressions/`).
+//!
+//! Each function returns normally whatever the bytes are: a parser may answer with a
+//! [`ModelError`](crate::ModelError), never panic, hang or allocate beyond what the input's
+//! size justifies. Inputs that carry several files are split at [`PART_SEPARATOR`].
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::Device;
+
+use crate::chat::{ChatMessage, ChatTemplate};
+use crate::checkpoint::load_layer_head;
+use crate::gguf::GgufFile;
+use crate::llama::{Llama, WeightDType};
+use crate::loader::{LoadOptions, LoadedModel};
+use crate::tokenizer::{TextStream, Tokenizer};
+
+/// Separates the files of a multi-file input (a Hugging Face directory, a head checkpoint).
+pub const PART_SEPARATOR: &[u8] = b"\n--8<--\n";
+
+/// Texts every tokenizer and template is exercised with: ASCII, digits, multi-byte UTF-8,
+/// special-token look-alikes and an empty string.
+const TEXTS: [&str; 4] = [
+    "Hello, world! 12345",
+    "naïve café — 東京 🚀",
+    "<|im_start|>user\n<|im_end|>",
+    "",
+];
+
+/// Splits a multi-file input into `n` parts (missing parts are empty).
+pub fn split_parts(data: &[u8], n: usize) -> Vec<&[u8]> {
+    let mut parts = Vec::with_capacity(n);
+    let mut rest = data;
+    while parts.len() + 1 < n {
+        match rest
+            .windows(PART_SEPARATOR.len())
+            .position(|w| w == PART_SEPARATOR)
+        {
+            Some(i) => {
+                parts.push(&rest[..i]);
+                rest = &rest[i + PART_SEPARATOR.len()..];
+            }
+            None => break,
+        }
+    }
+    parts.push(rest);
+    parts.resize(n, &[]);
+    parts
+}
+
+/// Joins files into one multi-file input (the inverse of [`split_parts`]), for seed corpora.
+pub fn join_parts(parts: &[&[u8]]) -> Vec<u8> {
+    parts.join(PART_SEPARATOR)
+}
+
+/// A GGUF file: header, metadata, tensor directory and data bounds, dequantization of every
+/// tensor, the config, the tokenizer and chat template from metadata, and the whole model
+/// (native blocks and f32) with one forward pass when it loads.
+pub fn gguf(data: &[u8]) {
+    let Ok(file) = GgufFile::from_bytes(data.to_vec()) else {
+        return;
+    };
+    for info in file.tensors().values() {
+        let _ = file.tensor_f32(&info.name);
+    }
+    if let Ok(tokenizer) = Tokenizer::from_gguf(&file) {
+        exercise_tokenizer(&tokenizer);
+    }
+    if let Some(source) = file.get("tokenizer.chat_template").and_then(|v| v.as_str()) {
+        chat_template(source.as_bytes());
+    }
+    for dtype in [WeightDType::Native, WeightDType::F32] {
+        let Ok(file) = GgufFile::from_bytes(data.to_vec()) else {
+            return;
+        };
+        let options = LoadOptions {
+            dtype,
+            ..Default::default()
+        };
+        if let Ok(loaded) = LoadedModel::from_gguf(file, "fuzz.gguf", &device(), &options) {
+            exercise_model(&loaded);
+        }
+    }
+}
+
+/// A Hugging Face directory: `config.json`, `model.safetensors`, `tokenizer.json`,
+/// `tokenizer_config.json` and (when not empty) `model.safetensors.index.json`, in that order.
+pub fn hf_dir(data: &[u8]) {
+    let parts = split_parts(data, 5);
+    let Some(dir) = scratch_dir("hf") else {
+        return;
+    };
+    let names = [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors.index.json",
+    ];
+    for (name, part) in names.iter().zip(&parts) {
+        let path = dir.join(name);
+        let written = match (part.is_empty(), *name) {
+            (true, "model.safetensors.index.json" | "tokenizer_config.json") => {
+                remove_if_present(&path)
+            }
+            _ => std::fs::write(&path, part).is_ok(),
+        };
+        if !written {
+            return;
+        }
+    }
+    for dtype in [WeightDType::Native, WeightDType::F16] {
+        let options = LoadOptions {
+            dtype,
+            ..Default::default()
+        };
+        if let Ok(loaded) = LoadedModel::load_hf_dir(&dir, &device(), &options) {
+            exercise_model(&loaded);
+        }
+    }
+}
+
+/// A Hugging Face `tokenizer.json`, then encoding and decoding.
+pub fn tokenizer_json(data: &[u8]) {
+    if let Ok(tokenizer) = Tokenizer::from_bytes(data, Some(0), Some(1)) {
+        exercise_tokenizer(&tokenizer);
+    }
+}
+
+/// A chat template as a model file carries it, rendered for a short conversation.
+pub fn chat_template(data: &[u8]) {
+    let Ok(source) = std::str::from_utf8(data) else {
+        return;
+    };
+    if let Ok(template) = ChatTemplate::new(source, "<s>", "</s>") {
+        let messages = [
+            ChatMessage::system("Be brief."),
+            ChatMessage::user(TEXTS[1]),
+            ChatMessage::assistant(TEXTS[0]),
+            ChatMessage::user(TEXTS[2]),
+        ];
+        let _ = template.render(&messages, true);
+        let _ = template.render(&[], false);
+    }
+}
+
+/// A head checkpoint (`PREFIX.json` metadata, then `PREFIX.safetensors`) loaded for the tiny
+/// test model.
+pub fn head_checkpoint(data: &[u8]) {
+    let parts = split_parts(data, 2);
+    let Some(dir) = scratch_dir("head") else {
+        return;
+    };
+    let prefix = dir.join("head");
+    let (st_path, json_path) = crate::checkpoint::checkpoint_paths(&prefix);
+    if std::fs::write(&json_path, parts[0]).is_err() || std::fs::write(&st_path, parts[1]).is_err()
+    {
+        return;
+    }
+    thread_local! {
+        static MODEL: Option<Llama> = tiny_model();
+    }
+    MODEL.with(|model| {
+        if let Some(model) = model
+            && let Ok((head, _)) = load_layer_head(&prefix, model, None)
+        {
+            let mut cache = model.new_cache();
+            let _ = eesd_core::DraftHead::exit_layer(&head);
+            let _ = model.forward(&[1, 2], &mut cache);
+        }
+    });
+}
+
+/// The tiny test model (native blocks), for targets that need a model to load against.
+fn tiny_model() -> Option<Llama> {
+    let config = crate::testing::tiny_config();
+    let bytes = crate::testing::tiny_quantized_gguf_bytes(&config, 7);
+    let file = GgufFile::from_bytes(bytes).ok()?;
+    LoadedModel::from_gguf(file, "tiny.gguf", &device(), &LoadOptions::default())
+        .ok()
+        .map(|loaded| loaded.model)
+}
+
+fn device() -> Device {
+    Device::default()
+}
+
+/// A directory of this process for the files of a multi-file input, reused between inputs.
+fn scratch_dir(kind: &str) -> Option<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("eesd-fuzz-{}-{kind}", std::process::id()));
+    std::fs::create_dir_all(&dir).ok()?;
+    Some(dir)
+}
+
+fn remove_if_present(path: &Path) -> bool {
+    match std::fs::remove_file(path) {
+        Ok(()) => true,
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+    }
+}
+
+fn exercise_tokenizer(tokenizer: &Tokenizer) {
+    for text in TEXTS {
+        if let Ok(ids) = tokenizer.encode(text) {
+            let _ = tokenizer.decode(&ids, false);
+            let mut stream = TextStream::new();
+            let _ = stream.push(tokenizer, &ids);
+        }
+    }
+    let vocab = tokenizer.vocab_size() as u32;
+    let _ = tokenizer.decode(&[0, vocab.saturating_sub(1), vocab, u32::MAX], true);
+    let _ = tokenizer.token(vocab);
+}
+
+fn exercise_model(loaded: &LoadedModel) {
+    let _ = loaded.chat_prompt(TEXTS[0]);
+    let model = &loaded.model;
+    let vocab = model.config().vocab_size as u32;
+    let mut cache = model.new_cache();
+    let _ = model.forward(&[0, vocab - 1], &mut cache);
+    let _ = model.forward(&[vocab], &mut cache);
+}
+
+/// The fuzz targets of this crate, by name (the train-state target lives in `eesd-train`).
+pub const TARGETS: [&str; 5] = [
+    "gguf",
+    "hf_dir",
+    "tokenizer_json",
+    "chat_template",
+    "head_checkpoint",
+];
+
+/// Runs the target called `name` on `data`; `false` when there is no such target here.
+pub fn run(name: &str, data: &[u8]) -> bool {
+    match name {
+        "gguf" => gguf(data),
+        "hf_dir" => hf_dir(data),
+        "tokenizer_json" => tokenizer_json(data),
+        "chat_template" => chat_template(data),
+        "head_checkpoint" => head_checkpoint(data),
+        _ => return false,
+    }
+    true
+}
+
+/// SmolLM2's chat template, as its GGUF file carries it.
+pub const SMOLLM_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+/// A model small enough for fast fuzzing that still exercises every part of loading (GQA, two
+/// layers, rows of 32 for the block formats).
+pub fn micro_config() -> crate::LlamaConfig {
+    crate::LlamaConfig {
+        hidden_size: 32,
+        num_layers: 2,
+        num_heads: 2,
+        num_kv_heads: 1,
+        intermediate_size: 64,
+        context_length: 32,
+        ..crate::testing::tiny_config()
+    }
+}
+
+/// Seed inputs of a target, named: small generated files of every kind the target reads, and,
+/// given `real_gguf` (the bytes of a real model file), its metadata (tokenizer, chat template)
+/// on micro tensors.
+pub fn seeds(target: &str, real_gguf: Option<&[u8]>) -> crate::Result<Vec<(String, Vec<u8>)>> {
+    use crate::gguf::{GgufValue, GgufWriter};
+    use crate::quant::{GgmlType, quantize_q4_1, quantize_q8_0};
+    use crate::testing::{gguf_metadata, random_weights};
+
+    let config = micro_config();
+    // One GGUF per tensor encoding, with the chat template in its metadata.
+    let gguf_with = |kind: GgmlType, metadata: Option<&GgufFile>| -> Vec<u8> {
+        let mut w = GgufWriter::new();
+        match metadata {
+            Some(file) => {
+                for (k, v) in file.metadata() {
+                    let v = match k.as_str() {
+                        "llama.block_count" => GgufValue::U64(config.num_layers as u64),
+                        "llama.embedding_length" => GgufValue::U64(config.hidden_size as u64),
+                        _ => v.clone(),
+                    };
+                    w.metadata(k.clone(), v);
+                }
+            }
+            None => {
+                gguf_metadata(&mut w, &config);
+                w.metadata(
+                    "tokenizer.chat_template",
+                    GgufValue::String(SMOLLM_TEMPLATE.into()),
+                );
+            }
+        }
+        for (name, t) in random_weights(&config, 1) {
+            let t = match name {
+                crate::WeightName::Q(_) => crate::weights::permute_rope_rows(&t, config.num_heads),
+                crate::WeightName::K(_) => {
+                    crate::weights::permute_rope_rows(&t, config.num_kv_heads)
+                }
+                _ => t,
+            };
+            let bytes = match (kind, t.shape.len()) {
+                (_, 1) | (GgmlType::F32, _) => {
+                    w.tensor_f32(name.gguf(), &t.shape, &t.values);
+                    continue;
+                }
+                (GgmlType::F16, _) => t
+                    .values
+                    .iter()
+                    .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+                    .collect(),
+                (GgmlType::Q8_0, _) => quantize_q8_0(&t.values),
+                _ => quantize_q4_1(&t.values),
+            };
+            w.tensor(name.gguf(), &t.shape, kind, bytes);
+        }
+        w.to_bytes()
+    };
+    let hf_files = || -> crate::Result<Vec<Vec<u8>>> {
+        let dir = scratch_dir("seed-hf").ok_or_else(|| {
+            crate::ModelError::InvalidArgument("no temporary directory for seeds".into())
+        })?;
+        crate::testing::write_tiny_hf_dir(&dir, &config, 1)?;
+        let read = |name: &str| {
+            let path = dir.join(name);
+            std::fs::read(&path).map_err(|e| crate::ModelError::io(path, e))
+        };
+        let tokenizer_config = serde_json::json!({
+            "chat_template": SMOLLM_TEMPLATE, "bos_token": "<|im_start|>",
+            "eos_token": {"content": "<|im_end|>"},
+        });
+        Ok(vec![
+            read("config.json")?,
+            read("model.safetensors")?,
+            read("tokenizer.json")?,
+            tokenizer_config.to_string().into_bytes(),
+        ])
+    };
+    let real = real_gguf
+        .map(|bytes| GgufFile::from_bytes(bytes.to_vec()))
+        .transpose()?;
+    let mut out: Vec<(String, Vec<u8>)> = Vec::new();
+    match target {
+        "gguf" => {
+            for (name, kind) in [
+                ("micro-f32", GgmlType::F32),
+                ("micro-f16", GgmlType::F16),
+                ("micro-q8_0", GgmlType::Q8_0),
+                ("micro-q4_1", GgmlType::Q4_1),
+            ] {
+                out.push((name.into(), gguf_with(kind, None)));
+            }
+            if let Some(file) = &real {
+                out.push((
+                    "real-metadata-q4_1".into(),
+                    gguf_with(GgmlType::Q4_1, Some(file)),
+                ));
+            }
+        }
+        "hf_dir" => {
+            let files = hf_files()?;
+            let parts: Vec<&[u8]> = files.iter().map(Vec::as_slice).collect();
+            out.push(("micro".into(), join_parts(&parts)));
+            let index = serde_json::json!({"weight_map": {"model.embed_tokens.weight": "model.safetensors"}});
+            let index = index.to_string().into_bytes();
+            let mut sharded = parts.clone();
+            sharded.push(&index);
+            out.push(("micro-sharded".into(), join_parts(&sharded)));
+        }
+        "tokenizer_json" => out.push(("micro".into(), hf_files()?.swap_remove(2))),
+        "chat_template" => {
+            out.push(("smollm".into(), SMOLLM_TEMPLATE.as_bytes().to_vec()));
+            out.push((
+                "raise".into(),
+                b"{% if messages|length == 0 %}{{ raise_exception('empty') }}{% endif %}{{ messages[0].content|upper }}".to_vec(),
+            ));
+            if let Some(t) = real
+                .as_ref()
+                .and_then(|f| f.get("tokenizer.chat_template"))
+                .and_then(|v| v.as_str())
+            {
+                out.push(("real".into(), t.as_bytes().to_vec()));
+            }
+        }
+        "head_checkpoint" => {
+            let model = tiny_model().ok_or_else(|| {
+                crate::ModelError::InvalidArgument("the tiny model does not load".into())
+            })?;
+            let dir = scratch_dir("seed-head").ok_or_else(|| {
+                crate::ModelError::InvalidArgument("no temporary directory for seeds".into())
+            })?;
+            for kind in [crate::HeadKind::Layer, crate::HeadKind::Adapter] {
+                let subset = crate::VocabSubset::new((0..64).collect(), model.config().vocab_size)?;
+                let head = crate::LayerHead::from_model(&model, kind, 1, 1, Some(&subset))?;
+                let metadata = crate::HeadMetadata {
+                    format_version: crate::checkpoint::FORMAT_VERSION,
+                    head_kind: kind.name().into(),
+                    base_model_sha256: String::new(),
+                    base_model_name: "tiny.gguf".into(),
+                    exit_layer: 1,
+                    hidden_size: model.config().hidden_size,
+                    vocab_subset: Some(subset.ids().to_vec()),
+                    training: serde_json::Value::Null,
+                    metrics: serde_json::Value::Null,
+                };
+                let prefix = dir.join(kind.name());
+                crate::save_layer_head(&prefix, &head, &metadata, kind == crate::HeadKind::Layer)?;
+                let (st, json) = crate::checkpoint::checkpoint_paths(&prefix);
+                let read = |p: &Path| std::fs::read(p).map_err(|e| crate::ModelError::io(p, e));
+                out.push((
+                    kind.name().into(),
+                    join_parts(&[&read(&json)?, &read(&st)?]),
+                ));
+            }
+        }
+        _ => {}
+    }
+    Ok(out)
+}

@@ -1,0 +1,38 @@
+//! Replays the `train_state` fuzz target's kept inputs (`fuzz/regressions/train_state/`) and its
+//! seeds; a kept input once crashed the target and must now be refused with an error.
+
+use std::path::PathBuf;
+
+#[test]
+fn every_kept_state_and_seed_is_handled_without_a_panic() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/regressions/train_state");
+    let mut kept = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        eprintln!("{}", path.display());
+        eesd_train::fuzz::train_state(&std::fs::read(&path).unwrap());
+        kept += 1;
+    }
+    assert!(kept >= 1);
+    let seeds = eesd_train::fuzz::seeds().unwrap();
+    assert_eq!(seeds.len(), 2);
+    for (name, bytes) in seeds {
+        eprintln!("seed {name}");
+        eesd_train::fuzz::train_state(&bytes);
+    }
+}
+
+/// A state that names a file outside its directory is refused before anything is read.
+#[test]
+fn a_state_naming_files_elsewhere_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = dir.path().join("run");
+    let (_, bytes) = eesd_train::fuzz::seeds().unwrap().remove(0);
+    let json = eesd_models::fuzz::split_parts(&bytes, 3)[0].to_vec();
+    let text = String::from_utf8(json)
+        .unwrap()
+        .replace("fuzz.step-000001.head.bpk", "../../etc/passwd");
+    std::fs::write(eesd_train::state_path(&prefix), text).unwrap();
+    let err = eesd_train::read_state(&prefix).unwrap_err();
+    assert!(err.to_string().contains("not a file name"), "{err}");
+}
