@@ -94,6 +94,9 @@ struct Args {
     /// can share one.
     #[arg(long)]
     data: Option<PathBuf>,
+    /// Context the model is loaded with (bounds the caches; at most the model's own).
+    #[arg(long, default_value_t = 2048)]
+    context_length: usize,
     /// Output prefix.
     #[arg(long, default_value = "heads/smollm2-head")]
     out: PathBuf,
@@ -121,7 +124,7 @@ fn main() -> Result<()> {
         &path,
         &device,
         &LoadOptions {
-            context_length: Some(2048),
+            context_length: Some(args.context_length),
             ..Default::default()
         },
     )?;

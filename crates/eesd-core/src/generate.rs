@@ -84,6 +84,11 @@ impl Default for GenerationConfig {
 impl GenerationConfig {
     /// Checks ranges.
     pub fn validate(&self) -> Result<()> {
+        if self.stop_strings.iter().any(String::is_empty) {
+            return Err(CoreError::InvalidConfig(
+                "an empty stop string would stop at once".into(),
+            ));
+        }
         self.sampling.validate()
     }
 }
@@ -203,7 +208,8 @@ impl<'c, F: FnMut(&[u32]) -> ControlFlow<()>> Emitter<'c, F> {
             ));
         }
         Ok(Emitter {
-            tokens: Vec::with_capacity(config.max_new_tokens),
+            // `max_new_tokens` is a bound, not a size (it may be `usize::MAX`).
+            tokens: Vec::with_capacity(config.max_new_tokens.min(4096)),
             config,
             detokenize,
             on_tokens,
@@ -230,16 +236,26 @@ impl<'c, F: FnMut(&[u32]) -> ControlFlow<()>> Emitter<'c, F> {
         self.tokens.extend_from_slice(block);
         if reason.is_none()
             && let Some(decode) = self.detokenize
+            && !self.config.stop_strings.is_empty()
         {
-            // Only text that includes the new tokens can newly contain a stop string.
-            let tail_from = start.saturating_sub(16);
-            let text = decode(&self.tokens[tail_from..]);
-            if self
-                .config
-                .stop_strings
-                .iter()
-                .any(|s| text.contains(s.as_str()))
+            // Only text that includes a new token can newly contain a stop string, and a token
+            // is at least one character: the tail as long as the longest stop string suffices.
+            let longest = self.config.stop_strings.iter().map(String::len).max();
+            let tail_from = start.saturating_sub(longest.unwrap_or(0));
+            let contains_stop = |end: usize| {
+                let text = decode(&self.tokens[tail_from..end]);
+                self.config
+                    .stop_strings
+                    .iter()
+                    .any(|s| text.contains(s.as_str()))
+            };
+            // Generation ends at the first token that completes a stop string, as one token at a
+            // time (AR) would, however many tokens the round accepted.
+            if contains_stop(self.tokens.len())
+                && let Some(k) = (1..=block.len()).find(|&k| contains_stop(start + k))
             {
+                block = &block[..k];
+                self.tokens.truncate(start + k);
                 reason = Some(StopReason::StopString);
             }
         }

@@ -1,0 +1,255 @@
+//! Faults in long work: `train_exit_head` (answer generation, then training) is killed with
+//! SIGKILL at random moments and restarted with `--resume`, again and again until it finishes.
+//! The files it leaves after every kill must be readable, and the finished head must be the one
+//! an uninterrupted run writes, byte for byte. Also: an atomic write killed midway leaves the
+//! old file whole.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+/// The example binary `cargo test` built beside this test (`target/<profile>/examples/`).
+fn train_exit_head() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().and_then(Path::parent).unwrap();
+    let path = profile_dir.join("examples").join("train_exit_head");
+    assert!(
+        path.exists(),
+        "{} is built by `cargo test --features train`",
+        path.display()
+    );
+    path
+}
+
+/// A training run's arguments; `out` is the output prefix.
+fn run_args(model: &Path, prompts: &Path, out: &Path, settings: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "--model",
+        &model.display().to_string(),
+        "--prompts",
+        &prompts.display().to_string(),
+        "--out",
+        &out.display().to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(settings.iter().map(|s| s.to_string()));
+    args
+}
+
+fn finish(args: &[String]) {
+    let out = Command::new(train_exit_head()).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// What a finished run is judged by: the head's weights and the answers it trained on (sorted:
+/// a resumed run appends the missing answers in another order).
+fn result(out: &Path) -> (Vec<u8>, Vec<String>) {
+    let weights = std::fs::read(out.with_extension("safetensors")).unwrap();
+    let data = std::fs::read_to_string(out.with_extension("data.jsonl")).unwrap();
+    let mut lines: Vec<String> = data.lines().map(String::from).collect();
+    lines.sort();
+    (weights, lines)
+}
+
+/// After a kill: the answer log parses up to its last complete line, and a saved state (if any)
+/// resumes.
+fn check_leftovers(out: &Path) {
+    #[derive(serde::Deserialize)]
+    struct Line {
+        #[allow(dead_code)]
+        prompt: usize,
+    }
+    eesd::train::recover_jsonl::<Line>(&out.with_extension("data.jsonl")).unwrap();
+    if eesd::train::state_path(out).exists() {
+        eesd::train::read_state(out).unwrap();
+    }
+}
+
+/// Kills and restarts the run until it finishes; returns how many times it was killed.
+fn run_with_kills(args: &[String], out: &Path, seed: u64, max_delay: Duration) -> usize {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut kills = 0;
+    let started = Instant::now();
+    loop {
+        assert!(
+            started.elapsed() < Duration::from_secs(900),
+            "the run never finished"
+        );
+        let mut child = Command::new(train_exit_head())
+            .args(args)
+            .arg("--resume")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Kills grow later with each restart (a restart spends its first moments loading), so
+        // every stage is reached and the run finishes.
+        let window = max_delay.as_millis() as u64 * (kills as u64 + 10) / 10;
+        let deadline = Instant::now() + Duration::from_millis(rng.random_range(0..window.max(1)));
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                let mut stderr = String::new();
+                std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+                assert!(status.success(), "run failed after {kills} kills: {stderr}");
+                return kills;
+            }
+            if Instant::now() >= deadline {
+                child.kill().unwrap(); // SIGKILL
+                child.wait().unwrap();
+                kills += 1;
+                check_leftovers(out);
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+fn prompts_file(dir: &Path, n: usize) -> PathBuf {
+    let path = dir.join("prompts.jsonl");
+    let lines: Vec<String> = (0..n)
+        .map(|i| {
+            serde_json::json!({ "prompt": format!("Question {i}: what is {i} + {i}?") }).to_string()
+        })
+        .collect();
+    std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+    path
+}
+
+#[test]
+fn a_run_killed_many_times_on_the_tiny_model_ends_like_an_uninterrupted_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny.gguf");
+    eesd::models::testing::write_tiny_gguf(&model, &eesd::models::testing::tiny_config(), 11)
+        .unwrap();
+    let prompts = prompts_file(dir.path(), 24);
+    let settings = [
+        "--exit-layer",
+        "2",
+        "--vocab",
+        "64",
+        "--num-prompts",
+        "24",
+        "--answer-tokens",
+        "24",
+        "--batch",
+        "4",
+        "--steps",
+        "300",
+        "--save-every",
+        "3",
+        "--eval-every",
+        "20",
+        "--held-out",
+        "4",
+        "--tokens-per-step",
+        "96",
+        "--context-length",
+        "128",
+    ];
+    let straight = dir.path().join("straight");
+    finish(&run_args(&model, &prompts, &straight, &settings));
+    let killed = dir.path().join("killed");
+    let args = run_args(&model, &prompts, &killed, &settings);
+    let kills = run_with_kills(&args, &killed, 5, Duration::from_millis(150));
+    eprintln!("finished after {kills} kills");
+    assert!(
+        kills >= 20,
+        "only {kills} kills: the run is too short for this test"
+    );
+    assert!(
+        result(&killed) == result(&straight),
+        "the resumed run ends elsewhere"
+    );
+}
+
+#[test]
+fn a_run_killed_a_few_times_on_the_real_model_ends_like_an_uninterrupted_one() {
+    let model = eesd::models::fetch::resolve_model(None).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = prompts_file(dir.path(), 6);
+    let settings = [
+        "--exit-layer",
+        "4",
+        "--vocab",
+        "512",
+        "--num-prompts",
+        "6",
+        "--answer-tokens",
+        "12",
+        "--batch",
+        "3",
+        "--steps",
+        "6",
+        "--save-every",
+        "2",
+        "--eval-every",
+        "3",
+        "--held-out",
+        "2",
+        "--tokens-per-step",
+        "64",
+    ];
+    let straight = dir.path().join("straight");
+    finish(&run_args(&model, &prompts, &straight, &settings));
+    let killed = dir.path().join("killed");
+    let args = run_args(&model, &prompts, &killed, &settings);
+    let kills = run_with_kills(&args, &killed, 7, Duration::from_millis(4000));
+    eprintln!("finished after {kills} kills");
+    assert!(kills >= 2, "only {kills} kills");
+    assert!(
+        result(&killed) == result(&straight),
+        "the resumed run ends elsewhere"
+    );
+}
+
+/// The child role of the next test: writes a large file atomically, over and over.
+#[test]
+#[ignore = "run by atomic_writes_survive_a_kill_midway in a child process"]
+fn child_writes_atomically_forever() {
+    let Some(path) = std::env::var_os("EESD_ATOMIC_TARGET") else {
+        return;
+    };
+    let path = PathBuf::from(path);
+    for round in 1u8.. {
+        let bytes = vec![round; 64 << 20];
+        eesd::models::checkpoint::write_atomically(&path, &bytes).unwrap();
+    }
+}
+
+#[test]
+fn atomic_writes_survive_a_kill_midway() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.bin");
+    std::fs::write(&path, vec![0u8; 64 << 20]).unwrap();
+    let mut rng = StdRng::seed_from_u64(3);
+    for _ in 0..6 {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "child_writes_atomically_forever",
+                "--ignored",
+                "--nocapture",
+            ])
+            .env("EESD_ATOMIC_TARGET", &path)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(rng.random_range(20..600)));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(bytes.len(), 64 << 20, "a torn file");
+        assert!(bytes.iter().all(|&b| b == bytes[0]), "a mix of two writes");
+    }
+}
