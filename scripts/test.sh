@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command (README, CI): formatting and lints, every test on the default flex
 # backend in release mode (the real-model tests would crawl in debug), a check that inference
-# builds leave training out, then the model tests again on LibTorch (set EESD_SKIP_TCH=1 to skip
-# that part locally). The Vulkan backend is type-checked and linted with everything else (CI has
+# builds leave training out, a short run of every fuzz target, then the model tests again on
+# LibTorch (set EESD_SKIP_TCH=1 to skip that part locally). The Vulkan backend is type-checked and linted with everything else (CI has
 # no GPU to run it, and a release build of wgpu would add ≈ 20 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +15,9 @@ RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --workspace
 cargo test --release --workspace --features train --no-run
 "${CARGO_TARGET_DIR:-target}"/release/examples/fetch_model
 cargo test --release --workspace --features train
+# Every fuzz target for a short time from the seeds and the kept regressions (the full
+# campaign: docs/robustness.md). Built without debug info to save CI minutes.
+CARGO_PROFILE_RELEASE_DEBUG=0 bash scripts/fuzz.sh "${EESD_FUZZ_SECONDS:-15}"
 # Inference builds compile neither the training crate nor autodiff.
 if cargo tree -p eesd --no-default-features --features flex -e normal | grep -E 'eesd-train|burn-autodiff'; then
   echo "inference build depends on training" >&2
