@@ -17,7 +17,7 @@ targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=(gguf hf_dir tokenizer_json chat_template head_checkpoint train_state)
 runs=${FUZZ_RUNS:--1}
 
-command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --version 0.13.2 --locked
+cargo fuzz --version >/dev/null 2>&1 || cargo install cargo-fuzz --version 0.13.2 --locked
 cargo run --release --features train --example fuzz_seeds -- fuzz/corpus >/dev/null
 (cd fuzz && cargo fuzz build -s none -O)
 
