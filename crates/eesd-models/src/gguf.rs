@@ -88,7 +88,12 @@ pub struct GgufTensorInfo {
 impl GgufTensorInfo {
     /// Number of elements.
     pub fn num_elements(&self) -> usize {
-        self.dims.iter().product()
+        // Saturating: a parsed file's tensors have at most 2^40 elements; a hand-made info
+        // with more gets a count that no byte size fits.
+        self.dims
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .unwrap_or(usize::MAX)
     }
 
     /// The shape in row-major order (outermost first), as PyTorch would print it.

@@ -92,7 +92,9 @@ impl GgmlType {
                 "tensor `{name}` has {n} elements, not a multiple of the {self:?} block size {per_block}"
             )));
         }
-        Ok(n / per_block * bytes)
+        (n / per_block).checked_mul(bytes).ok_or_else(|| {
+            ModelError::Malformed(format!("tensor `{name}` has {n} elements, too many"))
+        })
     }
 
     /// Dequantizes `n` elements from `bytes` to f32.
