@@ -16,8 +16,8 @@ cargo test --release --workspace --features train --no-run
 "${CARGO_TARGET_DIR:-target}"/release/examples/fetch_model
 cargo test --release --workspace --features train
 # Every fuzz target for a short time from the seeds and the kept regressions (the full
-# campaign: docs/robustness.md). Built without debug info to save CI minutes.
-CARGO_PROFILE_RELEASE_DEBUG=0 bash scripts/fuzz.sh "${EESD_FUZZ_SECONDS:-15}"
+# campaign: docs/robustness.md). Built at opt-level 1 without debug info to save CI minutes.
+FUZZ_QUICK_BUILD=1 bash scripts/fuzz.sh "${EESD_FUZZ_SECONDS:-10}"
 # Inference builds compile neither the training crate nor autodiff.
 if cargo tree -p eesd --no-default-features --features flex -e normal | grep -E 'eesd-train|burn-autodiff'; then
   echo "inference build depends on training" >&2

@@ -455,9 +455,13 @@ impl GgufWriter {
         Self::default()
     }
 
-    /// Adds a metadata entry.
+    /// Sets a metadata entry (replacing an earlier value of the key: a file lists each key once).
     pub fn metadata(&mut self, key: impl Into<String>, value: GgufValue) -> &mut Self {
-        self.metadata.push((key.into(), value));
+        let key = key.into();
+        match self.metadata.iter_mut().find(|(k, _)| *k == key) {
+            Some(entry) => entry.1 = value,
+            None => self.metadata.push((key, value)),
+        }
         self
     }
 

@@ -74,6 +74,9 @@ pub struct Llama {
     rope: Rope,
 }
 
+/// Position-table values any model may have (16 MiB of f32), whatever its embedding's size.
+const MIN_TABLE_VALUES: u128 = 1 << 22;
+
 impl Llama {
     /// Builds the model from a checkpoint, checking every tensor's shape against `config`.
     pub fn from_checkpoint(
@@ -175,15 +178,16 @@ impl Llama {
         };
 
         // The position tables (`2 × context × head_dim` floats) are the one allocation the
-        // weights do not bound; a context larger than the embedding's elements is refused rather
-        // than allocated (the caller can shorten it with `LoadOptions::context_length`).
+        // weights do not bound; tables larger than both the embedding and 16 MiB are refused
+        // rather than allocated (the caller can shorten the context with
+        // `LoadOptions::context_length`).
         let table_values = 2 * d as u128 * c.context_length as u128;
-        let embedding_values = c.vocab_size as u128 * h as u128;
-        if table_values > embedding_values {
+        let allowed = (c.vocab_size as u128 * h as u128).max(MIN_TABLE_VALUES);
+        if table_values > allowed {
             return Err(ModelError::InvalidConfig(format!(
                 "context length {} needs {table_values} position-table values, more than the \
-                 embedding's {}; load it with a shorter context",
-                c.context_length, embedding_values
+                 {allowed} the model's size allows; load it with a shorter context",
+                c.context_length
             )));
         }
         // Layers are pushed as they load: the count comes from the file's metadata.
