@@ -294,13 +294,7 @@ pub fn seeds(target: &str, real_gguf: Option<&[u8]>) -> crate::Result<Vec<(Strin
             }
         }
         for (name, t) in random_weights(&config, 1) {
-            let t = match name {
-                crate::WeightName::Q(_) => crate::weights::permute_rope_rows(&t, config.num_heads),
-                crate::WeightName::K(_) => {
-                    crate::weights::permute_rope_rows(&t, config.num_kv_heads)
-                }
-                _ => t,
-            };
+            let t = crate::testing::gguf_row_order(name, t, &config);
             let bytes = match (kind, t.shape.len()) {
                 (_, 1) | (GgmlType::F32, _) => {
                     w.tensor_f32(name.gguf(), &t.shape, &t.values);

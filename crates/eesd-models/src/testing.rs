@@ -137,7 +137,7 @@ pub fn byte_level_alphabet() -> Vec<String> {
 }
 
 /// `t` with q/k rows permuted to GGUF's interleaved-RoPE order, as llama.cpp's converter does.
-fn gguf_row_order(name: WeightName, t: HostTensor, config: &LlamaConfig) -> HostTensor {
+pub(crate) fn gguf_row_order(name: WeightName, t: HostTensor, config: &LlamaConfig) -> HostTensor {
     match name {
         WeightName::Q(_) => permute_rope_rows(&t, config.num_heads),
         WeightName::K(_) => permute_rope_rows(&t, config.num_kv_heads),
