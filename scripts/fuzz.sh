@@ -17,14 +17,14 @@ shift
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=(gguf hf_dir tokenizer_json chat_template head_checkpoint train_state)
 runs=${FUZZ_RUNS:--1}
-# FUZZ_QUICK_BUILD=1 (CI): opt-level 1, no debug info; the same for build and run, or cargo
-# fuzz run would build again.
-fuzz_env=()
-[ "${FUZZ_QUICK_BUILD:-0}" = 1 ] && fuzz_env=(CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_OPT_LEVEL=1)
+# FUZZ_QUICK_BUILD=1 (CI): fuzz/Cargo.toml's dev profile (opt-level 1, no debug info); the
+# same profile for build and run, or cargo fuzz run would build again.
+profile=-O
+[ "${FUZZ_QUICK_BUILD:-0}" = 1 ] && profile=-D
 
 cargo fuzz --version >/dev/null 2>&1 || cargo install cargo-fuzz --version 0.13.2 --locked
 cargo run --release --features train --example fuzz_seeds -- fuzz/corpus >/dev/null
-(cd fuzz && env "${fuzz_env[@]}" cargo fuzz build -s none -O)
+(cd fuzz && cargo fuzz build -s none "$profile")
 
 status=0
 for target in "${targets[@]}"; do
@@ -32,7 +32,7 @@ for target in "${targets[@]}"; do
   extra=()
   [ -d "fuzz/regressions/$target" ] && extra+=("regressions/$target")
   set +e
-  (cd fuzz && env "${fuzz_env[@]}" cargo fuzz run -s none -O "$target" "corpus/$target" "${extra[@]}" -- \
+  (cd fuzz && cargo fuzz run -s none "$profile" "$target" "corpus/$target" "${extra[@]}" -- \
     -max_total_time="$seconds" -runs="$runs" -timeout=10 -rss_limit_mb=2048 \
     -malloc_limit_mb=2048 -print_final_stats=1) >"$log" 2>&1
   rc=$?

@@ -6,6 +6,7 @@
 # no GPU to run it, and a release build of wgpu would add ≈ 20 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PS4='+ $(date +%T) '  # each step with its start time in the CI log
 set -x
 cargo fmt --all -- --check
 cargo clippy --release --workspace --all-targets --features train,vulkan -- -D warnings

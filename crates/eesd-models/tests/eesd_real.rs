@@ -1,5 +1,5 @@
 //! Lossless on the real model: greedy EESD is token-identical to greedy AR on SmolLM2-135M, for
-//! the golden prompts and 20 Spec-Bench questions × 128 new tokens, at several exit layers, with
+//! the golden prompts and 20 Spec-Bench questions × `identity_tokens()` new tokens (64; more with `EESD_IDENTITY_TOKENS`), at several exit layers, with
 //! every policy, and with a deliberately bad random head.
 
 mod common;
@@ -60,7 +60,7 @@ fn greedy_eesd_is_token_identical_to_ar_on_spec_bench() {
     let mut checked = 0;
     for (i, q) in spec_bench(20).iter().enumerate() {
         let prompt = m.chat_prompt(&q.turns[0]).unwrap();
-        let base = greedy_config(128);
+        let base = greedy_config(identity_tokens());
         let ar = generate(&NormHead::new(), "fixed:1", &prompt, &base);
         // Two EESD configurations per question, cycling through layers × policies × heads so that
         // every combination of policy and head appears across the set.

@@ -103,7 +103,7 @@ fn greedy_eesd_is_token_identical_to_ar_with_f16_and_bf16_weights() {
         }
         for (c, (name, prompt)) in prompts.iter().enumerate() {
             let base = GenerationConfig {
-                max_new_tokens: 96,
+                max_new_tokens: identity_tokens(),
                 stop_tokens: eos.clone(),
                 ..Default::default()
             };

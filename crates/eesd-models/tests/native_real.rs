@@ -1,7 +1,7 @@
 //! Native quantized weights on the real model (Q4_1 layers, Q8_0 embedding, run by the
 //! quantized kernel with 8-bit activations): close to the f32 reference, lossless for EESD and
 //! tree speculation (greedy output token-identical to greedy AR with the same weights) on the
-//! golden prompts and 20 Spec-Bench questions × 128 tokens, and small in memory.
+//! golden prompts and 20 Spec-Bench questions × `identity_tokens()` new tokens (64; more with `EESD_IDENTITY_TOKENS`), and small in memory.
 
 mod common;
 
@@ -75,7 +75,7 @@ fn greedy_speculation_is_token_identical_to_ar_with_native_weights() {
     );
     let layers = [4, 8, 12, 20];
     for (i, prompt) in prompts.iter().enumerate() {
-        let base = greedy_config(128);
+        let base = greedy_config(identity_tokens());
         let want = ar(prompt, &base);
         let eesd_config = GenerationConfig {
             mode: Mode::Eesd,

@@ -1,6 +1,6 @@
 //! Lossless tree speculation on the real model: greedy output with every drafter (Token
 //! Recycling, context lookup, their fusion at several node budgets, and the adaptive tree) is token-identical to
-//! greedy AR on SmolLM2-135M, for the golden prompts and 20 Spec-Bench questions × 128 tokens.
+//! greedy AR on SmolLM2-135M, for the golden prompts and 20 Spec-Bench questions × `identity_tokens()` new tokens (64; more with `EESD_IDENTITY_TOKENS`).
 //! Each drafter lives in one generator for the whole test, so Token Recycling's matrix carries
 //! over from question to question as it does in use.
 
@@ -66,7 +66,7 @@ fn greedy_tree_speculation_is_token_identical_to_ar_on_spec_bench() {
     let mut accepted = vec![0usize; gens.len()];
     for (i, q) in spec_bench(20).iter().enumerate() {
         let prompt = m.chat_prompt(&q.turns[0]).unwrap();
-        let base = greedy_config(128);
+        let base = greedy_config(identity_tokens());
         let ar = run(&mut ar_gen, &prompt, &base);
         // Two drafters per question, so each one meets ten questions.
         for j in [2 * i % gens.len(), (2 * i + 1) % gens.len()] {
@@ -80,8 +80,10 @@ fn greedy_tree_speculation_is_token_identical_to_ar_on_spec_bench() {
             accepted[j] += out.stats.accepted;
         }
     }
-    // The drafters did draft: accepted tokens on the real model, not a silent AR fallback.
+    // The drafters did draft: accepted tokens on the real model, not a silent AR fallback (each
+    // one accepted well over 100 drafts in ten questions × 128 tokens).
+    let floor = 100 * identity_tokens() / 128;
     for ((name, _), a) in gens.iter().zip(&accepted) {
-        assert!(*a > 100, "{name} accepted only {a} drafts");
+        assert!(*a > floor, "{name} accepted only {a} drafts");
     }
 }
