@@ -160,7 +160,7 @@ pub fn save_layer_head(
 /// Reads a checkpoint's metadata.
 pub fn read_metadata(prefix: &Path) -> Result<HeadMetadata> {
     let (_, json_path) = checkpoint_paths(prefix);
-    let text = std::fs::read_to_string(&json_path).map_err(|e| ModelError::io(&json_path, e))?;
+    let text = crate::file_bytes::read_to_string(&json_path)?;
     serde_json::from_str(&text).map_err(|e| ModelError::MalformedHead {
         path: json_path,
         reason: e.to_string(),
@@ -216,7 +216,7 @@ pub fn load_layer_head(
     let c = model.config();
     ensure_fits(model, meta.hidden_size, meta.exit_layer, None)?;
     let (st_path, _) = checkpoint_paths(prefix);
-    let bytes = std::fs::read(&st_path).map_err(|e| ModelError::io(&st_path, e))?;
+    let bytes = crate::file_bytes::read(&st_path)?;
     let malformed = |reason: String| ModelError::MalformedHead {
         path: st_path.clone(),
         reason,

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use crate::error::{ModelError, Result};
+use crate::file_bytes::FileBytes;
 use crate::quant::GgmlType;
 
 const MAGIC: [u8; 4] = *b"GGUF";
@@ -102,12 +103,12 @@ impl GgufTensorInfo {
     }
 }
 
-/// A parsed GGUF file held in memory.
+/// A parsed GGUF file: its directory parsed, its tensor data mapped from disk (or held in memory).
 pub struct GgufFile {
     version: u32,
     metadata: BTreeMap<String, GgufValue>,
     tensors: BTreeMap<String, GgufTensorInfo>,
-    data: Vec<u8>,
+    data: FileBytes,
     data_start: u64,
 }
 
@@ -122,17 +123,19 @@ impl std::fmt::Debug for GgufFile {
 }
 
 impl GgufFile {
-    /// Reads and parses a GGUF file.
+    /// Maps and parses a GGUF file (see [`FileBytes::map`]).
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref();
-        let data = std::fs::read(path).map_err(|e| ModelError::io(path, e))?;
-        Self::from_bytes(data)
+        Self::parse(FileBytes::map(path.as_ref())?)
     }
 
     /// Parses a GGUF file from its bytes.
     pub fn from_bytes(data: Vec<u8>) -> Result<Self> {
+        Self::parse(data.into())
+    }
+
+    fn parse(data: FileBytes) -> Result<Self> {
         let mut r = Reader {
-            data: &data,
+            data: &data[..],
             pos: 0,
             values_left: MAX_COUNT,
         };

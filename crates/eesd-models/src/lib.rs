@@ -17,6 +17,7 @@ pub mod config;
 pub mod cpu;
 pub mod error;
 pub mod fetch;
+pub mod file_bytes;
 pub mod fuzz;
 pub mod gguf;
 pub mod heads;

@@ -107,7 +107,7 @@ impl LoadedModel {
     pub fn load_hf_dir(dir: &Path, device: &Device, options: &LoadOptions) -> Result<Self> {
         let read = |name: &str| -> Result<String> {
             let p = dir.join(name);
-            std::fs::read_to_string(&p).map_err(|e| ModelError::io(p, e))
+            crate::file_bytes::read_to_string(&p)
         };
         let config_json = read("config.json")?;
         let config = Self::apply(LlamaConfig::from_hf_json(&config_json)?, options)?;

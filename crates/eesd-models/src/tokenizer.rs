@@ -60,7 +60,7 @@ impl Tokenizer {
     /// `config.json` or `tokenizer_config.json`).
     pub fn from_file(path: impl AsRef<Path>, bos: Option<u32>, eos: Option<u32>) -> Result<Self> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|e| ModelError::io(path, e))?;
+        let bytes = crate::file_bytes::read(path)?;
         Self::from_bytes(&bytes, bos, eos)
             .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))
     }

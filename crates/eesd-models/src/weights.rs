@@ -11,6 +11,7 @@ use safetensors::{Dtype, SafeTensors};
 
 use crate::cpu::QuantFormat;
 use crate::error::{ModelError, Result};
+use crate::file_bytes::{self, FileBytes};
 use crate::gguf::GgufFile;
 use crate::quant::GgmlType;
 
@@ -176,8 +177,8 @@ pub enum Checkpoint {
     Gguf(Box<GgufFile>),
     /// Hugging Face safetensors files, with the file each tensor lives in.
     SafeTensors {
-        /// File contents, by path.
-        files: BTreeMap<PathBuf, Vec<u8>>,
+        /// File contents (mapped), by path.
+        files: BTreeMap<PathBuf, FileBytes>,
         /// Tensor name → file.
         index: BTreeMap<String, PathBuf>,
     },
@@ -188,8 +189,7 @@ impl Checkpoint {
     pub fn open_safetensors_dir(dir: &Path) -> Result<Self> {
         let index_path = dir.join("model.safetensors.index.json");
         let shard_names: Vec<String> = if index_path.exists() {
-            let text =
-                std::fs::read_to_string(&index_path).map_err(|e| ModelError::io(&index_path, e))?;
+            let text = file_bytes::read_to_string(&index_path)?;
             let json: serde_json::Value = serde_json::from_str(&text)
                 .map_err(|e| ModelError::Malformed(format!("{}: {e}", index_path.display())))?;
             let map = json
@@ -219,7 +219,7 @@ impl Checkpoint {
                 )));
             }
             let path = dir.join(&name);
-            let bytes = std::fs::read(&path).map_err(|e| ModelError::io(&path, e))?;
+            let bytes = FileBytes::map(&path)?;
             let st = SafeTensors::deserialize(&bytes)
                 .map_err(|e| ModelError::Malformed(format!("{}: {e}", path.display())))?;
             for tensor in st.names() {

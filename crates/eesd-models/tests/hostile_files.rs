@@ -100,3 +100,44 @@ fn an_index_naming_files_outside_its_folder_is_refused() {
         );
     }
 }
+
+#[test]
+fn devices_and_empty_files_are_refused_without_reading_them() {
+    // `/dev/zero` would be read until memory ran out; a directory where a file is expected.
+    let dir = tempfile::tempdir().unwrap();
+    for path in [std::path::Path::new("/dev/zero"), dir.path()] {
+        let err = GgufFile::open(path).unwrap_err();
+        assert!(
+            matches!(&err, ModelError::Io { source, .. } if source.kind() == std::io::ErrorKind::InvalidInput),
+            "{}: {err}",
+            path.display()
+        );
+    }
+    let empty = dir.path().join("empty.gguf");
+    std::fs::write(&empty, b"").unwrap();
+    malformed_or_truncated(GgufFile::open(&empty), "empty file");
+    // A model directory whose config is a device.
+    testing::write_tiny_hf_dir(dir.path(), &testing::tiny_config(), 1).unwrap();
+    std::fs::remove_file(dir.path().join("config.json")).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", dir.path().join("config.json")).unwrap();
+    let err =
+        LoadedModel::load_hf_dir(dir.path(), &Default::default(), &Default::default()).unwrap_err();
+    assert!(matches!(err, ModelError::Io { .. }), "{err}");
+}
+
+#[test]
+fn a_mapped_file_loads_as_its_bytes_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    let bytes = testing::tiny_gguf_bytes(&testing::tiny_config(), 3);
+    std::fs::write(&path, &bytes).unwrap();
+    let mapped = GgufFile::open(&path).unwrap();
+    let owned = GgufFile::from_bytes(bytes).unwrap();
+    assert_eq!(mapped.metadata(), owned.metadata());
+    for name in owned.tensors().keys() {
+        assert_eq!(
+            mapped.tensor_f32(name).unwrap(),
+            owned.tensor_f32(name).unwrap()
+        );
+    }
+}
