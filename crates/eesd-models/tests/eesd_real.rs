@@ -1,6 +1,7 @@
 //! Lossless on the real model: greedy EESD is token-identical to greedy AR on SmolLM2-135M, for
-//! the golden prompts and 20 Spec-Bench questions × `identity_tokens()` new tokens (64; more with `EESD_IDENTITY_TOKENS`), at several exit layers, with
-//! every policy, and with a deliberately bad random head.
+//! the golden prompts and 20 Spec-Bench questions × `identity_tokens()` new tokens (64; more
+//! with `EESD_IDENTITY_TOKENS`), at several exit layers, with every policy, and with a
+//! deliberately bad random head.
 
 mod common;
 

@@ -1,7 +1,8 @@
 //! Native quantized weights on the real model (Q4_1 layers, Q8_0 embedding, run by the
 //! quantized kernel with 8-bit activations): close to the f32 reference, lossless for EESD and
 //! tree speculation (greedy output token-identical to greedy AR with the same weights) on the
-//! golden prompts and 20 Spec-Bench questions × `identity_tokens()` new tokens (64; more with `EESD_IDENTITY_TOKENS`), and small in memory.
+//! golden prompts and 20 Spec-Bench questions × `identity_tokens()` new tokens (64; more with
+//! `EESD_IDENTITY_TOKENS`), and small in memory.
 
 mod common;
 

@@ -1,6 +1,7 @@
 //! Lossless tree speculation on the real model: greedy output with every drafter (Token
 //! Recycling, context lookup, their fusion at several node budgets, and the adaptive tree) is token-identical to
-//! greedy AR on SmolLM2-135M, for the golden prompts and 20 Spec-Bench questions × `identity_tokens()` new tokens (64; more with `EESD_IDENTITY_TOKENS`).
+//! greedy AR on SmolLM2-135M, for the golden prompts and 20 Spec-Bench questions ×
+//! `identity_tokens()` new tokens (64; more with `EESD_IDENTITY_TOKENS`).
 //! Each drafter lives in one generator for the whole test, so Token Recycling's matrix carries
 //! over from question to question as it does in use.
 

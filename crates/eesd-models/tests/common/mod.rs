@@ -220,8 +220,6 @@ pub fn spec_bench(n: usize) -> Vec<Question> {
     picked
 }
 
-/// Greedy generation of at most `max_new_tokens`, stopping at the real model's end-of-sequence
-/// token.
 /// New tokens per prompt in the real-model identity tests (speculation against AR): 64 by
 /// default, which keeps CI's real-model tests near 8 minutes; `EESD_IDENTITY_TOKENS=128` (or
 /// more) for a longer run.
@@ -233,6 +231,8 @@ pub fn identity_tokens() -> usize {
         .unwrap_or(64)
 }
 
+/// Greedy generation of at most `max_new_tokens`, stopping at the real model's end-of-sequence
+/// token.
 pub fn greedy_config(max_new_tokens: usize) -> eesd_core::GenerationConfig {
     eesd_core::GenerationConfig {
         max_new_tokens,
