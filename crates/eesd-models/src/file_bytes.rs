@@ -26,8 +26,7 @@ impl FileBytes {
     /// the read fault; a file that is only read is safe. Every offset read through it is
     /// checked against the length the file had when it was mapped.
     pub fn map(path: &Path) -> Result<Self> {
-        let file = open_regular(path)?;
-        let len = file.metadata().map_err(|e| ModelError::io(path, e))?.len();
+        let (file, len) = open_regular(path)?;
         if len == 0 {
             return Ok(FileBytes::Owned(Vec::new()));
         }
@@ -58,8 +57,8 @@ impl From<Vec<u8>> for FileBytes {
 /// Reads a small regular file (JSON, tokenizer) into memory.
 pub fn read(path: &Path) -> Result<Vec<u8>> {
     use std::io::Read;
-    let mut file = open_regular(path)?;
-    let mut bytes = Vec::new();
+    let (mut file, len) = open_regular(path)?;
+    let mut bytes = Vec::with_capacity(len.try_into().unwrap_or(0));
     file.read_to_end(&mut bytes)
         .map_err(|e| ModelError::io(path, e))?;
     Ok(bytes)
@@ -75,7 +74,8 @@ pub fn read_to_string(path: &Path) -> Result<String> {
     })
 }
 
-fn open_regular(path: &Path) -> Result<std::fs::File> {
+/// Opens `path` if it is a regular file, with its length.
+fn open_regular(path: &Path) -> Result<(std::fs::File, u64)> {
     let file = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
     let meta = file.metadata().map_err(|e| ModelError::io(path, e))?;
     if !meta.is_file() {
@@ -84,5 +84,5 @@ fn open_regular(path: &Path) -> Result<std::fs::File> {
             IoError::new(ErrorKind::InvalidInput, "not a regular file"),
         ));
     }
-    Ok(file)
+    Ok((file, meta.len()))
 }
