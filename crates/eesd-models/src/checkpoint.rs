@@ -53,7 +53,11 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let scratch = path.with_file_name(format!(".{name}.{}.partial", std::process::id()));
+    // Unique per call, so that two threads saving the same file do not rename each other's
+    // scratch file away; the last rename wins whole.
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let scratch = path.with_file_name(format!(".{name}.{}-{call}.partial", std::process::id()));
     let written = std::fs::File::create(&scratch).and_then(|mut file| {
         file.write_all(bytes)?;
         file.sync_all()
@@ -291,4 +295,33 @@ pub fn load_layer_head(
         LayerHead::from_weights(model, meta.exit_layer, weights, subset.as_ref()),
         meta,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Threads saving the same file at once all succeed, and the file is one of their
+    /// contents whole (a scratch name shared between them used to let one rename the other's
+    /// scratch file away: `NotFound`).
+    #[test]
+    fn concurrent_atomic_writes_of_one_file_all_succeed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        let contents: Vec<Vec<u8>> = (0..4u8).map(|t| vec![t; 64 << 10]).collect();
+        std::thread::scope(|scope| {
+            for bytes in &contents {
+                let path = &path;
+                scope.spawn(move || {
+                    for _ in 0..50 {
+                        write_atomically(path, bytes).unwrap();
+                    }
+                });
+            }
+        });
+        let written = std::fs::read(&path).unwrap();
+        assert!(contents.contains(&written));
+        let leftovers = std::fs::read_dir(dir.path()).unwrap().count();
+        assert_eq!(leftovers, 1, "scratch files left behind");
+    }
 }

@@ -187,9 +187,18 @@ fn device() -> Device {
     Device::default()
 }
 
-/// A directory of this process for the files of a multi-file input, reused between inputs.
-fn scratch_dir(kind: &str) -> Option<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("eesd-fuzz-{}-{kind}", std::process::id()));
+/// A directory of this thread for the files of a multi-file input, reused between its inputs.
+/// Per thread, not per process: tests run in threads of one process, and two of them writing
+/// the same files at once would read each other's half-renamed files.
+pub fn scratch_dir(kind: &str) -> Option<PathBuf> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static THREADS: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static THREAD: usize = THREADS.fetch_add(1, Ordering::Relaxed);
+    }
+    let thread = THREAD.with(|t| *t);
+    let dir =
+        std::env::temp_dir().join(format!("eesd-fuzz-{}-{thread}-{kind}", std::process::id()));
     std::fs::create_dir_all(&dir).ok()?;
     Some(dir)
 }

@@ -19,10 +19,9 @@ pub fn train_state(data: &[u8]) {
     static HOOK: std::sync::Once = std::sync::Once::new();
     HOOK.call_once(|| std::panic::set_hook(Box::new(|info| eprintln!("{info}"))));
     let parts = split_parts(data, 3);
-    let dir = std::env::temp_dir().join(format!("eesd-fuzz-{}-state", std::process::id()));
-    if std::fs::create_dir_all(&dir).is_err() {
+    let Some(dir) = eesd_models::fuzz::scratch_dir("state") else {
         return;
-    }
+    };
     let prefix = dir.join("fuzz");
     let files = [
         crate::state::state_path(&prefix),
@@ -69,15 +68,10 @@ pub fn seeds() -> crate::Result<Vec<(String, Vec<u8>)>> {
         .ok_or_else(|| crate::TrainError::InvalidConfig("the tiny model does not load".into()))?;
     let mut out = Vec::new();
     for kind in [eesd_models::HeadKind::Layer, eesd_models::HeadKind::Adapter] {
-        let dir = std::env::temp_dir().join(format!(
-            "eesd-fuzz-{}-seed-state-{}",
-            std::process::id(),
-            kind.name()
-        ));
-        std::fs::create_dir_all(&dir).map_err(|e| crate::TrainError::Io {
-            path: dir.clone(),
-            source: e,
-        })?;
+        let dir = eesd_models::fuzz::scratch_dir(&format!("seed-state-{}", kind.name()))
+            .ok_or_else(|| {
+                crate::TrainError::InvalidConfig("no scratch directory for the seeds".into())
+            })?;
         let prefix = dir.join("fuzz");
         let subset = eesd_models::VocabSubset::new((0..64).collect(), model.config().vocab_size)?;
         let head = eesd_models::LayerHead::from_model(&model, kind, 1, 1, Some(&subset))?;
