@@ -53,11 +53,7 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    // Unique per call, so that two threads saving the same file do not rename each other's
-    // scratch file away; the last rename wins whole.
-    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let scratch = path.with_file_name(format!(".{name}.{}-{call}.partial", std::process::id()));
+    let scratch = path.with_file_name(format!(".{name}.{}.partial", unique_suffix()));
     let written = std::fs::File::create(&scratch).and_then(|mut file| {
         file.write_all(bytes)?;
         file.sync_all()
@@ -67,6 +63,15 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
         return Err(ModelError::io(path, e));
     }
     Ok(())
+}
+
+/// A suffix for scratch files that no other call, in this process or another, uses: two
+/// threads writing the same file must not rename each other's scratch file away.
+pub(crate) fn unique_suffix() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static CALLS: AtomicU64 = AtomicU64::new(0);
+    let call = CALLS.fetch_add(1, Ordering::Relaxed);
+    format!("{}-{call}", std::process::id())
 }
 
 /// SHA-256 of a file, hex-encoded.

