@@ -76,7 +76,8 @@ pub(crate) fn unique_suffix() -> String {
 
 /// SHA-256 of a file, hex-encoded.
 pub fn file_sha256(path: &Path) -> Result<String> {
-    let mut file = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
+    // A device or a pipe would be read forever.
+    let (mut file, _) = crate::file_bytes::open_regular(path)?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {

@@ -75,7 +75,7 @@ pub fn read_to_string(path: &Path) -> Result<String> {
 }
 
 /// Opens `path` if it is a regular file, with its length.
-fn open_regular(path: &Path) -> Result<(std::fs::File, u64)> {
+pub(crate) fn open_regular(path: &Path) -> Result<(std::fs::File, u64)> {
     let file = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
     let meta = file.metadata().map_err(|e| ModelError::io(path, e))?;
     if !meta.is_file() {

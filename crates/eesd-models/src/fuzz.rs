@@ -176,7 +176,12 @@ pub fn head_checkpoint(data: &[u8]) {
 /// The tiny test model (native blocks), for targets that need a model to load against.
 fn tiny_model() -> Option<Llama> {
     let config = crate::testing::tiny_config();
-    let bytes = crate::testing::tiny_quantized_gguf_bytes(&config, 7);
+    load_gguf_bytes(crate::testing::tiny_quantized_gguf_bytes(&config, 7))
+}
+
+/// A model from GGUF bytes made by [`crate::testing`], on the default device; `None` if they do
+/// not load.
+pub fn load_gguf_bytes(bytes: Vec<u8>) -> Option<Llama> {
     let file = GgufFile::from_bytes(bytes).ok()?;
     LoadedModel::from_gguf(file, "tiny.gguf", &device(), &LoadOptions::default())
         .ok()

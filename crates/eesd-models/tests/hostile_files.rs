@@ -106,12 +106,17 @@ fn devices_and_empty_files_are_refused_without_reading_them() {
     // `/dev/zero` would be read until memory ran out; a directory where a file is expected.
     let dir = tempfile::tempdir().unwrap();
     for path in [std::path::Path::new("/dev/zero"), dir.path()] {
-        let err = GgufFile::open(path).unwrap_err();
-        assert!(
-            matches!(&err, ModelError::Io { source, .. } if source.kind() == std::io::ErrorKind::InvalidInput),
-            "{}: {err}",
-            path.display()
-        );
+        // Opening a model, and hashing one (the base model's SHA-256 a head is checked against).
+        for err in [
+            GgufFile::open(path).err().unwrap(),
+            eesd_models::file_sha256(path).unwrap_err(),
+        ] {
+            assert!(
+                matches!(&err, ModelError::Io { source, .. } if source.kind() == std::io::ErrorKind::InvalidInput),
+                "{}: {err}",
+                path.display()
+            );
+        }
     }
     let empty = dir.path().join("empty.gguf");
     std::fs::write(&empty, b"").unwrap();

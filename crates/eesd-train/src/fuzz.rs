@@ -1,8 +1,8 @@
 //! The training-state parser under untrusted bytes, for the `train_state` fuzz target and its
 //! regression tests (see [`eesd_models::fuzz`]).
 
+use eesd_models::Llama;
 use eesd_models::fuzz::split_parts;
-use eesd_models::{GgufFile, Llama, LoadOptions, LoadedModel};
 
 use crate::distill::Distiller;
 
@@ -47,18 +47,10 @@ pub fn train_state(data: &[u8]) {
     });
 }
 
+/// The tiny test model in f32 (training's weights).
 fn tiny_model() -> Option<Llama> {
     let config = eesd_models::testing::tiny_config();
-    let bytes = eesd_models::testing::tiny_gguf_bytes(&config, 7);
-    let file = GgufFile::from_bytes(bytes).ok()?;
-    LoadedModel::from_gguf(
-        file,
-        "tiny.gguf",
-        &Default::default(),
-        &LoadOptions::default(),
-    )
-    .ok()
-    .map(|loaded| loaded.model)
+    eesd_models::fuzz::load_gguf_bytes(eesd_models::testing::tiny_gguf_bytes(&config, 7))
 }
 
 /// Seed inputs of the `train_state` target: the state of a tiny run after one step, for a whole

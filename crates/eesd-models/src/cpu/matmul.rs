@@ -384,7 +384,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::test_inputs::{isas, values};
+    use crate::cpu::test_inputs::{isas, same_bits, values};
     use half::{bf16, f16};
 
     fn naive<E: WeightElement>(x: &[f32], w: &[E], k: usize) -> Vec<f64> {
@@ -442,10 +442,7 @@ mod tests {
                     }
                     for isa in isas() {
                         let got = product(isa, &pool, &x, &packed);
-                        let same = got
-                            .iter()
-                            .zip(&want)
-                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        let same = same_bits(&got, &want);
                         assert!(same, "{isa:?} k={k} out={out} b={b}");
                     }
                 }
@@ -484,7 +481,7 @@ mod tests {
                 let block = product(isa, &three, &x, &w);
                 for j in 0..b {
                     let alone = product(isa, &one, &x[j * k..(j + 1) * k], &w);
-                    let same = (0..out).all(|o| block[j * out + o].to_bits() == alone[o].to_bits());
+                    let same = same_bits(&block[j * out..(j + 1) * out], &alone);
                     assert!(same, "{isa:?} b={b} row {j}");
                 }
             }

@@ -61,6 +61,11 @@ pub(crate) mod test_inputs {
             .collect()
     }
 
+    /// The same floats, bit for bit (batch invariance is exact equality, not closeness).
+    pub(crate) fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
     /// Every ISA this CPU has (the portable path always).
     pub(crate) fn isas() -> Vec<Isa> {
         [Isa::Portable, Isa::Avx2, Isa::Avx512]

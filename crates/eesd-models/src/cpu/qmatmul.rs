@@ -595,7 +595,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::test_inputs::{isas, values};
+    use crate::cpu::test_inputs::{isas, same_bits, values};
 
     fn blocks(format: QuantFormat, blocks: usize, seed: u32) -> Vec<u8> {
         super::super::qformat::test_blocks(format, blocks, seed)
@@ -656,10 +656,7 @@ mod tests {
                     }
                     for isa in isas() {
                         let got = product(isa, &pool, &m, &x);
-                        let same = got
-                            .iter()
-                            .zip(&reference)
-                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        let same = same_bits(&got, &reference);
                         assert!(same, "{isa:?} {format} out={out} b={b}");
                     }
                 }
@@ -688,8 +685,7 @@ mod tests {
                     let block = product(isa, &three, &m, &x);
                     for j in 0..b {
                         let alone = product(isa, &one, &m, &x[j * k..(j + 1) * k]);
-                        let same =
-                            (0..out).all(|o| block[j * out + o].to_bits() == alone[o].to_bits());
+                        let same = same_bits(&block[j * out..(j + 1) * out], &alone);
                         assert!(same, "{isa:?} {format} b={b} row {j}");
                     }
                 }
