@@ -9,7 +9,9 @@
 
 use std::path::{Path, PathBuf};
 
-use burn::module::Module;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
 use eesd_models::checkpoint::{ensure_fits, write_atomically};
 use eesd_models::weights::is_plain_file_name;
 use eesd_models::{HeadKind, LayerHead, Llama, VocabSubset};
@@ -177,6 +179,31 @@ impl<'m> Distiller<'m> {
         let fresh = optimizer(&state.config);
         distiller.optim = guarded(&optim_path, || fresh.load(&optim_path))?;
         distiller.step = state.step;
+        // burn loads moments of any shape and only fails, with a panic, at the next step
+        // (found by the `train_state` fuzz target): try that step now, on copies, with zero
+        // gradients, so that a state that does not fit the head is an error here.
+        let (mut optim, weights) = (distiller.optim.clone(), distiller.weights.clone());
+        let grads = zero_gradients(&weights);
+        let lr = distiller.config.learning_rate_at(distiller.step);
+        guarded(&optim_path, || {
+            optim.step(lr, weights, grads);
+            Ok::<(), ()>(())
+        })?;
         Ok((distiller, state.extra))
     }
+}
+
+/// A zero gradient for every trainable parameter of `module`.
+fn zero_gradients<M: Module>(module: &M) -> GradientsParams {
+    struct Zeros(GradientsParams);
+    impl ModuleVisitor for Zeros {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if param.is_require_grad() {
+                self.0.register(param.id, param.val().zeros_like().inner());
+            }
+        }
+    }
+    let mut zeros = Zeros(GradientsParams::new());
+    module.visit(&mut zeros);
+    zeros.0
 }

@@ -36,3 +36,34 @@ fn a_state_naming_files_elsewhere_is_refused() {
     let err = eesd_train::read_state(&prefix).unwrap_err();
     assert!(err.to_string().contains("not a file name"), "{err}");
 }
+
+/// Optimizer moments of another shape than the head's parameters (found by the fuzz target:
+/// burn loaded them and panicked at the next step) are refused when the run resumes.
+#[test]
+fn moments_that_do_not_fit_the_head_are_refused_on_resume() {
+    let kept = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fuzz/regressions/train_state/optimizer-moment-shape-mismatch-aborts");
+    let bytes = std::fs::read(kept).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = dir.path().join("fuzz");
+    let parts = eesd_models::fuzz::split_parts(&bytes, 3);
+    let files = [
+        eesd_train::state_path(&prefix),
+        dir.path().join(eesd_train::fuzz::STATE_FILES[0]),
+        dir.path().join(eesd_train::fuzz::STATE_FILES[1]),
+    ];
+    for (path, part) in files.iter().zip(&parts) {
+        std::fs::write(path, part).unwrap();
+    }
+    let config = eesd_models::testing::tiny_config();
+    let model =
+        eesd_models::fuzz::load_gguf_bytes(eesd_models::testing::tiny_gguf_bytes(&config, 7))
+            .unwrap();
+    let err = eesd_train::Distiller::resume(&model, &prefix)
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&err, eesd_train::TrainError::Malformed { path, .. } if path == &files[2]),
+        "{err}"
+    );
+}
