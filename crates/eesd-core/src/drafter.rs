@@ -38,6 +38,13 @@ pub trait Drafter {
     fn verified(&mut self, tree: &DraftTree, best: &[u32]) {
         let _ = (tree, best);
     }
+
+    /// The wall time of a whole round (drafting, verification, observation) that verified
+    /// `rows` rows, the root included; for drafters that size their trees by what rows cost
+    /// (see [`crate::drafters::RoundCost`]). Called after the round's other calls.
+    fn round_time(&mut self, rows: usize, seconds: f64) {
+        let _ = (rows, seconds);
+    }
 }
 
 impl<D: Drafter + ?Sized> Drafter for Box<D> {
@@ -55,6 +62,9 @@ impl<D: Drafter + ?Sized> Drafter for Box<D> {
     }
     fn verified(&mut self, tree: &DraftTree, best: &[u32]) {
         (**self).verified(tree, best)
+    }
+    fn round_time(&mut self, rows: usize, seconds: f64) {
+        (**self).round_time(rows, seconds)
     }
 }
 

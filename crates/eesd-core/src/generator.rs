@@ -528,6 +528,7 @@ fn run_tree<M: LayeredModel, F: FnMut(&[u32]) -> ControlFlow<()>>(
         stats.draft_seconds += draft_seconds + observe_start.elapsed().as_secs_f64();
         stats.verify_seconds += verify_seconds;
         stats.record_round(tree.len(), verdict.path.len());
+        drafter.round_time(tree.len() + 1, draft_start.elapsed().as_secs_f64());
 
         let mut block: Vec<u32> = verdict.path.iter().map(|&n| tree.tokens()[n]).collect();
         block.push(verdict.next);

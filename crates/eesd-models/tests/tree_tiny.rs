@@ -98,10 +98,13 @@ fn greedy_tree_speculation_equals_ar_for_every_drafter() {
                 tree_budget: budget,
                 ..ar_config.clone()
             };
-            let mut drafters: Vec<Box<dyn Drafter>> = ["recycle", "lookup", "fused", "opt"]
+            let mut drafters: Vec<Box<dyn Drafter>> = ["recycle", "lookup", "fused", "opt", "opt"]
                 .iter()
-                .map(|d| {
-                    let spec: DrafterSpec = format!("{d}@{budget}").parse().unwrap();
+                .enumerate()
+                .map(|(i, d)| {
+                    // The last one sizes its trees by the rounds' times.
+                    let auto = if i == 4 { ":auto" } else { "" };
+                    let spec: DrafterSpec = format!("{d}@{budget}{auto}").parse().unwrap();
                     spec.build(vocab) as Box<dyn Drafter>
                 })
                 .collect();
@@ -203,7 +206,7 @@ fn tree_sampling_has_the_ar_distribution() {
     let model = tiny(5);
     for position in [0, 2] {
         let ar = histogram(&model, None, position, 3000);
-        for spec in ["recycle@12", "fused@12", "opt@12"] {
+        for spec in ["recycle@12", "fused@12", "opt@12", "opt@12:auto"] {
             let tree = histogram(&model, Some(spec), position, 3000);
             assert_same_distribution(&ar, &tree, &format!("token {position}, {spec}"));
         }

@@ -67,6 +67,12 @@ impl Drafter for Fused {
             drafter.verified(tree, best);
         }
     }
+
+    fn round_time(&mut self, rows: usize, seconds: f64) {
+        for (drafter, _) in &mut self.parts {
+            drafter.round_time(rows, seconds);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -5,12 +5,14 @@ mod fused;
 mod lookup;
 mod opt_tree;
 mod recycling;
+mod round_cost;
 mod spec;
 
 pub use fused::Fused;
 pub use lookup::ContextLookup;
 pub use opt_tree::OptTree;
 pub use recycling::{TokenRecycling, TreeShape};
+pub use round_cost::RoundCost;
 pub use spec::{DrafterKind, DrafterSpec};
 
 /// A candidate of a best-first tree search, ordered by the probability that its path is

@@ -20,7 +20,7 @@
 
 use std::collections::BinaryHeap;
 
-use super::{ContextLookup, Likely, TokenRecycling, TreeShape};
+use super::{ContextLookup, Likely, RoundCost, TokenRecycling, TreeShape};
 use crate::drafter::Drafter;
 use crate::tree::DraftTree;
 
@@ -137,6 +137,8 @@ pub struct OptTree {
     lookup: ContextLookup,
     rates: EdgeRates,
     last: Option<Proposal>,
+    /// Round times by rows, when trees are sized by them ([`OptTree::timed`]).
+    cost: Option<RoundCost>,
 }
 
 impl OptTree {
@@ -148,7 +150,18 @@ impl OptTree {
             lookup: ContextLookup::new(3, 1, lookup_len, 1),
             rates: EdgeRates::new(),
             last: None,
+            cost: None,
         }
+    }
+
+    /// Sizes each tree by time: of the best-first tree of the budget, only as many nodes as
+    /// maximise the expected accepted tokens per second of the round, with round times
+    /// measured as it runs ([`RoundCost`]). Where extra rows cost little (f32 weights on a
+    /// CPU) that is the whole tree; where every row costs its own arithmetic (4-bit weights),
+    /// few nodes or none.
+    pub fn timed(mut self) -> Self {
+        self.cost = Some(RoundCost::new());
+        self
     }
 
     /// The recycling matrix (it carries over between prompts).
@@ -209,6 +222,8 @@ impl Drafter for OptTree {
                 item: (None, offer),
             })
             .collect();
+        // Path probability of each node, in the order they were added.
+        let mut probabilities = Vec::with_capacity(budget);
         while tree.len() < budget {
             let Some(Likely { probability, item }) = heap.pop() else {
                 break;
@@ -218,6 +233,7 @@ impl Drafter for OptTree {
                 continue;
             }
             let node = tree.push(token, parent);
+            probabilities.push(probability);
             let offers = self.offers(token, step.and_then(|s| lookup_at(s + 1)));
             heap.extend(offers.iter().map(|&offer| Candidate {
                 probability: probability * self.rates.rate(offer.1),
@@ -225,10 +241,21 @@ impl Drafter for OptTree {
             }));
             offered.push(offers);
         }
+        let size = self
+            .cost
+            .as_ref()
+            .map_or(tree.len(), |cost| cost.best_size(&probabilities));
         self.last = Some(Proposal {
             tree: tree.clone(),
             offered,
         });
+        if size < tree.len() {
+            // Nodes were added parents first, so the first `size` form a tree; `verified`
+            // matches the verified rows to this proposal by path.
+            let mut cut = DraftTree::new();
+            cut.merge(&tree, size);
+            return cut;
+        }
         tree
     }
 
@@ -238,6 +265,12 @@ impl Drafter for OptTree {
 
     fn observe(&mut self, token: u32, candidates: &[u32], logits: &[f32]) {
         self.recycling.observe(token, candidates, logits);
+    }
+
+    fn round_time(&mut self, rows: usize, seconds: f64) {
+        if let Some(cost) = &mut self.cost {
+            cost.record(rows, seconds);
+        }
     }
 
     fn verified(&mut self, tree: &DraftTree, best: &[u32]) {
@@ -335,5 +368,41 @@ mod tests {
         // Verifying a tree that is not (all) the proposal's is harmless.
         d.verified(&DraftTree::chain(&[5, 5, 5]), &[0, 0, 0, 0]);
         d.verified(&DraftTree::new(), &[]);
+    }
+
+    /// A timed tree keeps the whole budget while rows are cheap and shrinks when they are dear,
+    /// and verification of the cut tree still teaches the rates.
+    #[test]
+    fn timed_trees_shrink_when_rows_are_dear() {
+        let mut d = OptTree::new(32, 4, 8).timed();
+        d.observe(1, &[2, 5, 6, 7], &[10.0, 4.0, 3.0, 2.0]);
+        d.observe(2, &[3, 4], &[1.0, 0.9]);
+        d.observe(3, &[6], &[8.0]);
+        let full = d.propose(&[9, 1], 6);
+        assert_eq!(full.len(), 6);
+        // Cheap rows: all of them.
+        for rows in 1..=7 {
+            d.round_time(rows, 0.010);
+        }
+        assert_eq!(d.propose(&[9, 1], 6).len(), 6);
+        // Every row as dear as the first: no node is worth its row.
+        let mut dear = OptTree::new(32, 4, 8).timed();
+        dear.observe(1, &[2, 5, 6, 7], &[10.0, 4.0, 3.0, 2.0]);
+        for rows in 1..=7 {
+            dear.round_time(rows, 0.010 * rows as f64);
+        }
+        assert!(dear.propose(&[9, 1], 6).is_empty());
+        // Rows at a quarter of the first's price: the likeliest nodes only.
+        let mut some = d.clone();
+        some.cost = Some(RoundCost::new());
+        for rows in 1..=7 {
+            some.round_time(rows, 0.010 * (1.0 + 0.25 * (rows - 1) as f64));
+        }
+        let cut = some.propose(&[9, 1], 6);
+        assert!((1..6).contains(&cut.len()), "{}", cut.len());
+        assert_eq!(cut.path(0), vec![2]);
+        let before = some.recycled_rate(0, 6.0);
+        some.verified(&cut, &[2, 3, 6]);
+        assert!(some.recycled_rate(0, 6.0) > before);
     }
 }

@@ -1,4 +1,5 @@
-//! Drafters named on command lines: `recycle@16`, `lookup@8`, `fused@16`, `fused@32:8`, `opt@8`.
+//! Drafters named on command lines: `recycle@16`, `lookup@8`, `fused@16`, `fused@32:8`, `opt@8`,
+//! `opt@16:auto`.
 
 use std::fmt;
 use std::str::FromStr;
@@ -33,7 +34,10 @@ pub enum DrafterKind {
     },
     /// [`OptTree`]: recycling and lookup candidates rated online, the tree of most expected
     /// accepted tokens.
-    Opt,
+    Opt {
+        /// Only as many of the budget's nodes as pay for their rows ([`OptTree::timed`]).
+        timed: bool,
+    },
 }
 
 impl DrafterSpec {
@@ -47,7 +51,10 @@ impl DrafterSpec {
                 (Box::new(lookup(cap)), cap),
                 (Box::new(TokenRecycling::new(vocab, RECYCLE_K)), self.budget),
             ])),
-            DrafterKind::Opt => Box::new(OptTree::new(vocab, RECYCLE_K, self.budget)),
+            DrafterKind::Opt { timed } => {
+                let tree = OptTree::new(vocab, RECYCLE_K, self.budget);
+                Box::new(if timed { tree.timed() } else { tree })
+            }
         }
     }
 }
@@ -55,12 +62,13 @@ impl DrafterSpec {
 impl FromStr for DrafterSpec {
     type Err = CoreError;
 
-    /// `recycle@B`, `lookup@B`, `fused@B[:L]` (lookup capped at `L` nodes, default `B / 2`) or
-    /// `opt@B`; `B` defaults to 16.
+    /// `recycle@B`, `lookup@B`, `fused@B[:L]` (lookup capped at `L` nodes, default `B / 2`),
+    /// `opt@B` or `opt@B:auto` (at most `B` nodes, as many as pay for their rows); `B`
+    /// defaults to 16.
     fn from_str(s: &str) -> Result<Self, CoreError> {
         let bad = |why: &str| {
             CoreError::InvalidConfig(format!(
-                "drafter `{s}`: {why} (expected recycle@B, lookup@B, fused@B[:L] or opt@B)"
+                "drafter `{s}`: {why} (expected recycle@B, lookup@B, fused@B[:L], opt@B or opt@B:auto)"
             ))
         };
         let (name, rest) = s.split_once('@').unwrap_or((s, "16"));
@@ -69,15 +77,18 @@ impl FromStr for DrafterSpec {
             None => (rest, None),
         };
         let budget: usize = budget.parse().map_err(|_| bad("bad node budget"))?;
-        let lookup = lookup
-            .map(|l| l.parse::<usize>().map_err(|_| bad("bad lookup cap")))
-            .transpose()?;
+        let cap = |l: Option<&str>| {
+            l.map(|l| l.parse::<usize>().map_err(|_| bad("bad lookup cap")))
+                .transpose()
+        };
         let kind = match (name, lookup) {
             ("recycle", None) => DrafterKind::Recycle,
             ("lookup", None) => DrafterKind::Lookup,
-            ("opt", None) => DrafterKind::Opt,
+            ("opt", None) => DrafterKind::Opt { timed: false },
+            ("opt", Some("auto")) => DrafterKind::Opt { timed: true },
+            ("opt", Some(_)) => return Err(bad("the only option of opt is `auto`")),
             ("fused", l) => DrafterKind::Fused {
-                lookup: l.unwrap_or(budget / 2).min(budget),
+                lookup: cap(l)?.unwrap_or(budget / 2).min(budget),
             },
             _ => return Err(bad("unknown drafter")),
         };
@@ -91,7 +102,8 @@ impl fmt::Display for DrafterSpec {
             DrafterKind::Recycle => write!(f, "recycle@{}", self.budget),
             DrafterKind::Lookup => write!(f, "lookup@{}", self.budget),
             DrafterKind::Fused { lookup } => write!(f, "fused@{}:{lookup}", self.budget),
-            DrafterKind::Opt => write!(f, "opt@{}", self.budget),
+            DrafterKind::Opt { timed: false } => write!(f, "opt@{}", self.budget),
+            DrafterKind::Opt { timed: true } => write!(f, "opt@{}:auto", self.budget),
         }
     }
 }
@@ -102,13 +114,26 @@ mod tests {
 
     #[test]
     fn parses_and_prints_specs() {
-        for s in ["recycle@16", "lookup@8", "fused@32:8", "opt@8"] {
+        for s in [
+            "recycle@16",
+            "lookup@8",
+            "fused@32:8",
+            "opt@8",
+            "opt@16:auto",
+        ] {
             assert_eq!(s.parse::<DrafterSpec>().unwrap().to_string(), s);
         }
         let fused: DrafterSpec = "fused@16".parse().unwrap();
         assert_eq!(fused.kind, DrafterKind::Fused { lookup: 8 });
         assert_eq!("recycle".parse::<DrafterSpec>().unwrap().budget, 16);
-        for bad in ["tree@4", "recycle@x", "lookup@4:2", "fused@8:y", "opt@8:2"] {
+        for bad in [
+            "tree@4",
+            "recycle@x",
+            "lookup@4:2",
+            "fused@8:y",
+            "opt@8:2",
+            "opt@8:fast",
+        ] {
             assert!(bad.parse::<DrafterSpec>().is_err(), "{bad}");
         }
         assert_eq!(fused.build(100).name(), "lookup:8+recycle:16");
