@@ -39,8 +39,9 @@ struct Args {
     #[arg(long, default_value = "compare")]
     mode: String,
     /// Drafter of tree speculation: recycle@B (Token Recycling), lookup@B (context lookup),
-    /// fused@B[:L] (lookup capped at L nodes fused with recycling) or opt@B (adaptive tree from
-    /// both, OPT-Tree), B = nodes per tree.
+    /// fused@B[:L] (lookup capped at L nodes fused with recycling), opt@B (adaptive tree from
+    /// both, OPT-Tree) or opt@B:auto (at most B nodes, as many as pay for their verification
+    /// time), B = nodes per tree.
     #[arg(long, default_value = "opt@8")]
     drafter: DrafterSpec,
     /// Exit layer N for EESD (default: the trained head's layer, or 8 with `--head norm`).

@@ -9,7 +9,7 @@
 //! checkpoint, `norm@LAYER` (parameter-free), or `oracle:A[+HEAD]` — the work of HEAD (default
 //! the shipped head) with drafts that agree with AR at rate A (see `oracle.rs`; it measures the
 //! ceiling a head of that quality would reach). Tree speculation methods name a drafter instead:
-//! `recycle@B`, `lookup@B`, `fused@B[:L]` or `opt@B` (`DrafterSpec`). For every question the methods run right after
+//! `recycle@B`, `lookup@B`, `fused@B[:L]`, `opt@B` or `opt@B:auto` (`DrafterSpec`). For every question the methods run right after
 //! AR on the same prompt (first turn, chat template), so machine drift cancels in the speedup, and
 //! every method's tokens are compared with AR's: `divergences` must be 0.
 
