@@ -42,7 +42,7 @@ struct Args {
     /// fused@B[:L] (lookup capped at L nodes fused with recycling), opt@B (adaptive tree from
     /// both, OPT-Tree) or opt@B:auto (at most B nodes, as many as pay for their verification
     /// time), B = nodes per tree.
-    #[arg(long, default_value = "opt@8")]
+    #[arg(long, default_value = "opt@16:auto")]
     drafter: DrafterSpec,
     /// Exit layer N for EESD (default: the trained head's layer, or 8 with `--head norm`).
     #[arg(long)]
