@@ -98,13 +98,14 @@ fn greedy_tree_speculation_equals_ar_for_every_drafter() {
                 tree_budget: budget,
                 ..ar_config.clone()
             };
-            let mut drafters: Vec<Box<dyn Drafter>> = ["recycle", "lookup", "fused", "opt", "opt"]
+            // The last one sizes its trees by the rounds' times.
+            let names = ["recycle", "lookup", "fused", "opt", "opt"];
+            let options = ["", "", "", "", ":auto"];
+            let mut drafters: Vec<Box<dyn Drafter>> = names
                 .iter()
-                .enumerate()
-                .map(|(i, d)| {
-                    // The last one sizes its trees by the rounds' times.
-                    let auto = if i == 4 { ":auto" } else { "" };
-                    let spec: DrafterSpec = format!("{d}@{budget}{auto}").parse().unwrap();
+                .zip(options)
+                .map(|(d, option)| {
+                    let spec: DrafterSpec = format!("{d}@{budget}{option}").parse().unwrap();
                     spec.build(vocab) as Box<dyn Drafter>
                 })
                 .collect();

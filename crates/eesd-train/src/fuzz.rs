@@ -1,6 +1,8 @@
 //! The training-state parser under untrusted bytes, for the `train_state` fuzz target and its
 //! regression tests (see [`eesd_models::fuzz`]).
 
+use std::path::{Path, PathBuf};
+
 use eesd_models::Llama;
 use eesd_models::fuzz::split_parts;
 
@@ -18,23 +20,11 @@ pub fn train_state(data: &[u8]) {
     // nothing catches still aborts the run.
     static HOOK: std::sync::Once = std::sync::Once::new();
     HOOK.call_once(|| std::panic::set_hook(Box::new(|info| eprintln!("{info}"))));
-    let parts = split_parts(data, 3);
-    let Some(dir) = eesd_models::fuzz::scratch_dir("state") else {
+    let Some(prefix) =
+        eesd_models::fuzz::scratch_dir("state").and_then(|dir| write_state_files(&dir, data).ok())
+    else {
         return;
     };
-    let prefix = dir.join("fuzz");
-    let files = [
-        crate::state::state_path(&prefix),
-        dir.join(STATE_FILES[0]),
-        dir.join(STATE_FILES[1]),
-    ];
-    if files
-        .iter()
-        .zip(&parts)
-        .any(|(path, part)| std::fs::write(path, part).is_err())
-    {
-        return;
-    }
     thread_local! {
         static MODEL: Option<Llama> = tiny_model();
     }
@@ -47,8 +37,23 @@ pub fn train_state(data: &[u8]) {
     });
 }
 
-/// The tiny test model in f32 (training's weights).
-fn tiny_model() -> Option<Llama> {
+/// Writes the three parts of a `train_state` input into `dir` as the state files they stand
+/// for, and returns the state's prefix (`dir/fuzz`).
+pub fn write_state_files(dir: &Path, data: &[u8]) -> std::io::Result<PathBuf> {
+    let prefix = dir.join("fuzz");
+    let files = [
+        crate::state::state_path(&prefix),
+        dir.join(STATE_FILES[0]),
+        dir.join(STATE_FILES[1]),
+    ];
+    for (path, part) in files.iter().zip(split_parts(data, 3)) {
+        std::fs::write(path, part)?;
+    }
+    Ok(prefix)
+}
+
+/// The tiny test model in f32 (training's weights) the target resumes states against.
+pub fn tiny_model() -> Option<Llama> {
     let config = eesd_models::testing::tiny_config();
     eesd_models::fuzz::load_gguf_bytes(eesd_models::testing::tiny_gguf_bytes(&config, 7))
 }

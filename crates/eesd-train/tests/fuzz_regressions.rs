@@ -45,25 +45,14 @@ fn moments_that_do_not_fit_the_head_are_refused_on_resume() {
         .join("../../fuzz/regressions/train_state/optimizer-moment-shape-mismatch-aborts");
     let bytes = std::fs::read(kept).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let prefix = dir.path().join("fuzz");
-    let parts = eesd_models::fuzz::split_parts(&bytes, 3);
-    let files = [
-        eesd_train::state_path(&prefix),
-        dir.path().join(eesd_train::fuzz::STATE_FILES[0]),
-        dir.path().join(eesd_train::fuzz::STATE_FILES[1]),
-    ];
-    for (path, part) in files.iter().zip(&parts) {
-        std::fs::write(path, part).unwrap();
-    }
-    let config = eesd_models::testing::tiny_config();
-    let model =
-        eesd_models::fuzz::load_gguf_bytes(eesd_models::testing::tiny_gguf_bytes(&config, 7))
-            .unwrap();
+    let prefix = eesd_train::fuzz::write_state_files(dir.path(), &bytes).unwrap();
+    let model = eesd_train::fuzz::tiny_model().unwrap();
     let err = eesd_train::Distiller::resume(&model, &prefix)
         .err()
         .unwrap();
+    let optimizer_file = dir.path().join(eesd_train::fuzz::STATE_FILES[1]);
     assert!(
-        matches!(&err, eesd_train::TrainError::Malformed { path, .. } if path == &files[2]),
+        matches!(&err, eesd_train::TrainError::Malformed { path, .. } if path == &optimizer_file),
         "{err}"
     );
 }
