@@ -13,6 +13,7 @@ pub mod attention;
 pub(crate) mod decoder;
 #[cfg(feature = "flex")]
 mod flex;
+mod huge_pages;
 pub mod isa;
 pub(crate) mod lanes;
 pub mod matmul;

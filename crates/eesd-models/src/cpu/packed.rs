@@ -3,10 +3,12 @@
 //! A matrix `w: [out, k]` is cut into panels of [`PANEL`] consecutive output rows; a panel is
 //! stored `[k][PANEL]`, so the 16 weights that meet one activation value are adjacent (one
 //! 64-byte line in f32) and the whole matrix is read front to back exactly once per product.
-//! The last panel is padded with zero rows.
+//! The last panel is padded with zero rows. The panels live on huge pages where the OS offers
+//! them ([`super::huge_pages`]).
 
 use half::{bf16, f16};
 
+use super::huge_pages::HugeBuf;
 use super::lanes::WeightElement;
 use super::matmul::ShapeError;
 use super::pool::Pool;
@@ -15,11 +17,21 @@ use super::pool::Pool;
 pub const PANEL: usize = 16;
 
 /// A weight matrix `[out, k]` repacked into panels of [`PANEL`] output rows.
-#[derive(Clone, PartialEq)]
+#[derive(PartialEq)]
 pub struct PackedMatrix<E> {
-    data: Vec<E>,
+    data: HugeBuf<E>,
     out: usize,
     k: usize,
+}
+
+impl<E: WeightElement> Clone for PackedMatrix<E> {
+    fn clone(&self) -> Self {
+        PackedMatrix {
+            data: self.data.clone(),
+            out: self.out,
+            k: self.k,
+        }
+    }
 }
 
 impl<E> std::fmt::Debug for PackedMatrix<E> {
@@ -43,7 +55,7 @@ impl<E: WeightElement> PackedMatrix<E> {
             });
         }
         let panels = out.div_ceil(PANEL);
-        let mut data = vec![E::default(); panels * k * PANEL];
+        let mut data = HugeBuf::filled(panels * k * PANEL, E::default());
         Pool::global().for_each_chunk(&mut data, k * PANEL, &|p, panel| {
             let rows = (out - p * PANEL).min(PANEL);
             for c in 0..rows {

@@ -11,6 +11,7 @@
 //! so the split never changes a result.
 
 use std::cell::UnsafeCell;
+use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
@@ -162,6 +163,14 @@ impl Pool {
 }
 
 impl Pool {
+    /// Runs `task(range)` over ranges that together cover `0..units` once, spread over the
+    /// pool ([`Guided`]: large ranges first, single units last, so that the threads finish
+    /// together).
+    pub fn run_ranges(&self, units: usize, task: &(dyn Fn(Range<usize>) + Sync)) {
+        let split = Guided::new(units, self.threads);
+        self.run(split.tasks(), &|t| task(split.range(t)));
+    }
+
     /// Calls `f(i, chunk)` for every `chunk`-long piece `i` of `data` (the last may be
     /// shorter), spread over the pool.
     pub fn for_each_chunk<T: Send>(
@@ -179,6 +188,69 @@ impl Pool {
             // SAFETY: piece i is [start, start + n), inside `data`, and no other task's.
             f(i, unsafe { base.slice(start, n) });
         });
+    }
+}
+
+/// A split of `units` of equal work into tasks for `threads` threads that shrink as the work
+/// runs out ("guided" scheduling): each round hands every thread an equal share of half the
+/// units left, until a round's share would be under two units; the rest are single units.
+///
+/// Why: equal tasks leave every thread but one idle for up to a task's length at the end of a
+/// product, and a forward pass ends ~150 products; many small tasks instead cut the weight
+/// stream (and its prefetch) into short pieces. Shrinking tasks do both: few and long first,
+/// one unit at the end. Which thread computes which unit never changes a result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Guided {
+    units: usize,
+    threads: usize,
+    /// Rounds of `threads` tasks each.
+    rounds: usize,
+    /// First unit of the single-unit tail.
+    tail: usize,
+}
+
+impl Guided {
+    /// The split of `units` for `threads` threads (one task when there is one thread).
+    pub fn new(units: usize, threads: usize) -> Guided {
+        let threads = threads.max(1);
+        let (mut rounds, mut start) = (0, 0);
+        while threads > 1 && (units - start) / 2 >= 2 * threads {
+            start += (units - start) / 2;
+            rounds += 1;
+        }
+        Guided {
+            units,
+            threads,
+            rounds,
+            tail: start,
+        }
+    }
+
+    /// Number of tasks.
+    pub fn tasks(&self) -> usize {
+        match self.threads {
+            1 => usize::from(self.units > 0),
+            _ => self.rounds * self.threads + (self.units - self.tail),
+        }
+    }
+
+    /// The units of task `t < tasks()`.
+    pub fn range(&self, t: usize) -> Range<usize> {
+        if self.threads == 1 {
+            return 0..self.units;
+        }
+        let round = t / self.threads;
+        if round >= self.rounds {
+            let u = self.tail + t - self.rounds * self.threads;
+            return u..u + 1;
+        }
+        let mut start = 0;
+        for _ in 0..round {
+            start += (self.units - start) / 2;
+        }
+        let span = (self.units - start) / 2;
+        let i = t % self.threads;
+        start + span * i / self.threads..start + span * (i + 1) / self.threads
     }
 }
 
@@ -283,6 +355,48 @@ mod tests {
         for h in handles {
             h.join().unwrap();
         }
+    }
+
+    #[test]
+    fn guided_ranges_cover_the_units_once_and_shrink() {
+        for threads in [1, 2, 3, 16] {
+            for units in [0, 1, 2, 5, 30, 96, 1536] {
+                let split = Guided::new(units, threads);
+                let ranges: Vec<_> = (0..split.tasks()).map(|t| split.range(t)).collect();
+                let mut next = 0;
+                for r in &ranges {
+                    assert_eq!(
+                        r.start, next,
+                        "{units} units, {threads} threads: {ranges:?}"
+                    );
+                    assert!(
+                        !r.is_empty(),
+                        "{units} units, {threads} threads: {ranges:?}"
+                    );
+                    next = r.end;
+                }
+                assert_eq!(next, units, "{units} units, {threads} threads");
+                let last = ranges.last().map_or(0, |r| r.len());
+                assert!(threads == 1 || last <= 1, "{units}, {threads}: {ranges:?}");
+                let first = ranges.first().map_or(0, |r| r.len());
+                // (A round's equal shares may differ by one unit.)
+                assert!(ranges.iter().all(|r| r.len() <= first + 1));
+            }
+        }
+        // Few tasks for many units: a log-many rounds of `threads` tasks, then a short tail.
+        assert!(Guided::new(1536, 2).tasks() <= 2 * 10 + 8);
+    }
+
+    #[test]
+    fn run_ranges_runs_each_unit_once() {
+        let pool = Pool::new(3);
+        let hits: Vec<AtomicUsize> = (0..100).map(|_| AtomicUsize::new(0)).collect();
+        pool.run_ranges(100, &|r| {
+            r.for_each(|u| {
+                hits[u].fetch_add(1, Ordering::Relaxed);
+            })
+        });
+        assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
     }
 
     #[test]

@@ -13,6 +13,7 @@
 //! computes the same operations one lane at a time), so a block's rows equal the rows computed
 //! alone, bit for bit.
 
+use super::huge_pages::HugeBuf;
 use super::isa::Isa;
 use super::matmul::ShapeError;
 use super::pool::Pool;
@@ -44,7 +45,8 @@ struct Part {
     /// First output row.
     first: usize,
     rows: usize,
-    data: Vec<u8>,
+    /// The blocks, on huge pages where the OS offers them ([`super::huge_pages`]).
+    data: HugeBuf<u8>,
 }
 
 impl std::fmt::Debug for QuantMatrix {
@@ -98,7 +100,7 @@ impl QuantMatrix {
             format,
             first: self.out,
             rows,
-            data,
+            data: HugeBuf::from_slice(&data),
         });
         self.out += rows;
         Ok(())
@@ -172,6 +174,8 @@ impl QuantMatrix {
             out: 0,
             k: self.k,
         };
+        // Runs of rows in one format, each becoming one part.
+        let mut runs: Vec<(QuantFormat, Vec<u8>, usize)> = Vec::new();
         for &id in ids {
             let (format, bytes) = self.row(id as usize).ok_or(ShapeError::Operands {
                 x: id as usize,
@@ -179,14 +183,16 @@ impl QuantMatrix {
                 out: self.out,
                 k: self.k,
             })?;
-            match m.parts.last_mut() {
-                Some(p) if p.format == format => {
-                    p.data.extend_from_slice(bytes);
-                    p.rows += 1;
-                    m.out += 1;
+            match runs.last_mut() {
+                Some((f, data, rows)) if *f == format => {
+                    data.extend_from_slice(bytes);
+                    *rows += 1;
                 }
-                _ => m.push(format, bytes.to_vec(), 1)?,
+                _ => runs.push((format, bytes.to_vec(), 1)),
             }
+        }
+        for (format, data, rows) in runs {
+            m.push(format, data, rows)?;
         }
         Ok(m)
     }
@@ -230,14 +236,9 @@ impl QuantMatrix {
         let isa = isa.supported();
         let out = self.out;
         let y_ptr = super::pool::Disjoint(y.as_mut_ptr());
-        // Tasks of a few tiles each: enough to balance the threads, few enough that a task
-        // is several microseconds.
-        let tiles = out.div_ceil(OUTS);
-        let tasks = tiles.min(pool.threads() * 8).max(1);
-        let per_task = tiles.div_ceil(tasks) * OUTS;
-        let tasks = out.div_ceil(per_task);
-        pool.run(tasks, &|t| {
-            let (o0, o1) = (t * per_task, ((t + 1) * per_task).min(out));
+        // Tiles in shrinking ranges ([`super::pool::Guided`]): the threads finish together.
+        pool.run_ranges(out.div_ceil(OUTS), &|tiles| {
+            let (o0, o1) = (tiles.start * OUTS, (tiles.end * OUTS).min(out));
             for part in &self.parts {
                 let (a, z) = (o0.max(part.first), o1.min(part.first + part.rows));
                 if a < z {
