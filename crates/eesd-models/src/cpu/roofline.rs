@@ -31,15 +31,15 @@ pub struct Roofline {
 
 impl Roofline {
     /// Measures bandwidth and FMA peak on the process-wide pool with the detected ISA (about
-    /// a second, and 512 MiB of memory for the duration).
+    /// a second, and 512 MiB of memory for the duration). Each is the best of many short runs,
+    /// so that a host stealing time now and then does not lower the bound.
     pub fn measure() -> Roofline {
         let pool = Pool::global();
         let isa = Isa::detect();
         Roofline {
             isa,
             threads: pool.threads(),
-            bandwidth_gb_s: read_bandwidth(pool, isa, PROBE_BYTES, 5),
-            // Many short runs: the best is the peak even on a host that steals time.
+            bandwidth_gb_s: read_bandwidth(pool, isa, PROBE_BYTES, 10),
             fma_gflop_s: fma_peak(pool, isa, 20),
         }
     }
