@@ -5,8 +5,9 @@
 //! 4 KiB boundary. On 2 MiB pages a 16-row f32 block of SmolLM2's layers ran ≈ 8% faster
 //! (kernel alone, same process, pages interleaved). Linux's default THP mode (`madvise`) gives
 //! huge pages only to memory that asks for them before it is first touched, and only to whole
-//! aligned 2 MiB pages, so a buffer of 2 MiB or more starts on a 2 MiB boundary and asks for
-//! the whole pages it holds (its tail stays on small pages: nothing is wasted).
+//! aligned 2 MiB pages. So on Linux a buffer of 2 MiB or more is mapped fresh from the OS (the
+//! heap could hand back pages a previous model already touched), starts on a 2 MiB boundary
+//! and asks for the whole pages it holds; its tail stays on small pages, nothing is wasted.
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
@@ -20,8 +21,19 @@ const HUGE: usize = 2 << 20;
 pub(crate) struct HugeBuf<T> {
     ptr: NonNull<T>,
     len: usize,
-    /// The allocation's layout (`None`: nothing allocated, `len · size_of::<T>() == 0`).
-    layout: Option<Layout>,
+    backing: Backing,
+}
+
+/// Where a buffer's memory comes from.
+#[derive(Clone, Copy)]
+enum Backing {
+    /// Nothing allocated (`len · size_of::<T>() == 0`).
+    Empty,
+    /// The global allocator, with this layout.
+    Heap(Layout),
+    /// An anonymous mapping of this many bytes at `ptr` (Linux).
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
+    Mapped(usize),
 }
 
 // SAFETY: a HugeBuf owns its elements like a Vec.
@@ -58,53 +70,88 @@ impl<T: Copy> HugeBuf<T> {
             return HugeBuf {
                 ptr: NonNull::dangling(),
                 len,
-                layout: None,
+                backing: Backing::Empty,
             };
         };
-        let align = if bytes >= HUGE { HUGE } else { align_of::<T>() };
-        let layout = Layout::from_size_align(bytes, align).expect("capacity overflow");
+        #[cfg(target_os = "linux")]
+        if bytes >= HUGE {
+            if let Some((ptr, mapped)) = map_huge(bytes) {
+                return HugeBuf {
+                    ptr: ptr.cast(),
+                    len,
+                    backing: Backing::Mapped(mapped),
+                };
+            }
+        }
+        let layout = Layout::array::<T>(len).expect("capacity overflow");
         // SAFETY: `layout` has a non-zero size.
         let raw = unsafe { std::alloc::alloc(layout) };
         let Some(ptr) = NonNull::new(raw.cast::<T>()) else {
             std::alloc::handle_alloc_error(layout);
         };
-        advise(raw, bytes);
         HugeBuf {
             ptr,
             len,
-            layout: Some(layout),
+            backing: Backing::Heap(layout),
         }
     }
 }
 
-/// Asks for huge pages for the whole 2 MiB pages in `bytes` bytes from `start` (a hint:
-/// ignored where unsupported).
-fn advise(start: *mut u8, bytes: usize) {
-    #[cfg(target_os = "linux")]
-    {
-        let first = (start as usize).next_multiple_of(HUGE);
-        let last = (start as usize + bytes) / HUGE * HUGE;
-        if last > first {
-            // SAFETY: the range lies inside an allocation this buffer owns; MADV_HUGEPAGE
-            // changes how it is backed, not what it holds.
-            unsafe {
-                libc::madvise(
-                    first as *mut libc::c_void,
-                    last - first,
-                    libc::MADV_HUGEPAGE,
-                )
-            };
-        }
+/// A fresh anonymous mapping of at least `bytes` bytes starting on a 2 MiB boundary, its whole
+/// huge pages advised as such: the start and the mapped length, or `None` if the OS refuses
+/// (the caller then uses the heap).
+#[cfg(target_os = "linux")]
+fn map_huge(bytes: usize) -> Option<(NonNull<u8>, usize)> {
+    const PAGE: usize = 4096;
+    let len = bytes.next_multiple_of(PAGE);
+    let reserve = len.checked_add(HUGE)?;
+    // SAFETY: a new private anonymous mapping; no existing memory is affected.
+    let raw = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            reserve,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if raw == libc::MAP_FAILED {
+        return None;
     }
-    #[cfg(not(target_os = "linux"))]
-    let _ = (start, bytes);
+    let start = raw as usize;
+    let aligned = start.next_multiple_of(HUGE);
+    // SAFETY: both ranges lie inside the mapping just made and outside [aligned, aligned+len).
+    unsafe {
+        if aligned > start {
+            libc::munmap(raw, aligned - start);
+        }
+        let end = aligned + len;
+        if start + reserve > end {
+            libc::munmap(end as *mut libc::c_void, start + reserve - end);
+        }
+        let whole = len / HUGE * HUGE;
+        // A hint: refused (THP off) it changes nothing.
+        libc::madvise(aligned as *mut libc::c_void, whole, libc::MADV_HUGEPAGE);
+    }
+    NonNull::new(aligned as *mut u8).map(|p| (p, len))
 }
 
 impl<T> Drop for HugeBuf<T> {
     fn drop(&mut self) {
-        if let Some(layout) = self.layout {
+        match self.backing {
+            Backing::Empty => {}
             // SAFETY: allocated with this layout in `uninit`.
-            unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), layout) };
+            Backing::Heap(layout) => unsafe {
+                std::alloc::dealloc(self.ptr.as_ptr().cast(), layout)
+            },
+            #[cfg(target_os = "linux")]
+            // SAFETY: mapped with this length in `map_huge`, and not used after this.
+            Backing::Mapped(len) => unsafe {
+                libc::munmap(self.ptr.as_ptr().cast(), len);
+            },
+            #[cfg(not(target_os = "linux"))]
+            Backing::Mapped(_) => {}
         }
     }
 }
