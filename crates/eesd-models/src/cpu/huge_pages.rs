@@ -74,14 +74,12 @@ impl<T: Copy> HugeBuf<T> {
             };
         };
         #[cfg(target_os = "linux")]
-        if bytes >= HUGE {
-            if let Some((ptr, mapped)) = map_huge(bytes) {
-                return HugeBuf {
-                    ptr: ptr.cast(),
-                    len,
-                    backing: Backing::Mapped(mapped),
-                };
-            }
+        if let Some((ptr, mapped)) = (bytes >= HUGE).then(|| map_huge(bytes)).flatten() {
+            return HugeBuf {
+                ptr: ptr.cast(),
+                len,
+                backing: Backing::Mapped(mapped),
+            };
         }
         let layout = Layout::array::<T>(len).expect("capacity overflow");
         // SAFETY: `layout` has a non-zero size.
