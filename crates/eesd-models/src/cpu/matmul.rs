@@ -189,6 +189,14 @@ unsafe fn panels<V: Lanes, E: WeightElement, const M: usize, const P: usize>(
         let j1 = (j0 + pass).min(p.b);
         let mut q = p0;
         unsafe {
+            // One or two rows against one panel are 2-4 FMA chains, too few to hide the FMA
+            // latency (decoding f16 was bound by it): take two panels at a time instead.
+            if P == 1 && j1 - j0 <= 2 && V::WIDTH < PANEL {
+                while q + 2 <= p1 {
+                    panel_rows::<V, E, 2, 2>(p, q, j0, j1, p1);
+                    q += 2;
+                }
+            }
             while q + P <= p1 {
                 panel_rows::<V, E, M, P>(p, q, j0, j1, p1);
                 q += P;
