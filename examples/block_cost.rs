@@ -5,8 +5,9 @@
 //! cargo run --release --example block_cost -- [--dtypes native,f32,f16,bf16] [--blocks 1,2,4,8,16,32,64] [--json]
 //! ```
 //! In the same run it measures the machine's read bandwidth and FMA peak (on the kernels' threads
-//! and instruction set) and reports, per weight dtype and block size: the time of a full forward
-//! pass (best of `--reps`, after a chat prompt), its ratio to one token, the roofline time
+//! and instruction set; the best of a probe before and one after the blocks) and reports, per
+//! weight dtype and block size: the time of a full forward pass (best of `--reps`, taken round
+//! the block sizes, after a chat prompt), its ratio to one token, the roofline time
 //! `max(bytes / bandwidth, flops / peak)` and efficiency = roofline / measured.
 
 use std::time::Instant;
@@ -44,12 +45,11 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let device = args.device.device()?;
     // The CPU roofline applies to the CPU backends only.
-    let machine = matches!(args.device, Backend::Flex | Backend::Tch).then(Roofline::measure);
-    if let (Some(m), false) = (&machine, args.json) {
-        println!("{m}");
-    }
+    let cpu = matches!(args.device, Backend::Flex | Backend::Tch);
+    let before = cpu.then(Roofline::measure);
     let path = fetch::resolve_model(None)?;
-    let mut rows = Vec::new();
+    // (dtype, block, past, best seconds, cost) per measurement.
+    let mut timings = Vec::new();
     for &dtype in &args.dtypes {
         let options = LoadOptions {
             dtype,
@@ -67,47 +67,62 @@ fn main() -> Result<()> {
         let mut cache = m.new_cache();
         m.forward(&prompt, &mut cache)?;
         let past = prompt.len();
-        let mut one = None;
-        for &block in &args.blocks {
-            let tokens: Vec<u32> = (0..block as u32).map(|i| 100 + i).collect();
-            let mut best = f64::INFINITY;
-            for _ in 0..args.reps {
+        // Repetitions go round the block sizes, so that a spell of stolen time on a shared
+        // host spoils one repetition of each size rather than every repetition of one.
+        let mut best = vec![f64::INFINITY; args.blocks.len()];
+        for _ in 0..args.reps {
+            for (&block, best) in args.blocks.iter().zip(best.iter_mut()) {
+                let tokens: Vec<u32> = (0..block as u32).map(|i| 100 + i).collect();
                 cache.truncate(past);
                 let start = Instant::now();
                 let logits = m.forward(&tokens, &mut cache)?;
                 let _ = logits.into_data();
-                best = best.min(start.elapsed().as_secs_f64());
+                *best = best.min(start.elapsed().as_secs_f64());
             }
-            let base = *one.get_or_insert(best);
-            let cost = m.forward_cost(block, past);
-            let mut row = serde_json::json!({
-                "dtype": dtype.name(), "block": block, "past": past, "ms": best * 1e3,
-                "ratio": best / base,
-                "weight_mb": cost.weight_bytes / 1e6, "gflop": cost.flops / 1e9,
-            });
-            let mut line = format!(
-                "{:>4} block {block:>2}: {:7.2} ms ({:.2}x one token)",
-                dtype.name(),
-                best * 1e3,
-                best / base
-            );
-            if let Some(machine) = &machine {
-                let limit = machine.seconds(cost.bytes(), cost.flops);
-                let bound = machine.bound(cost.bytes(), cost.flops);
-                row["roofline_ms"] = (limit * 1e3).into();
-                row["efficiency"] = (limit / best).into();
-                row["bound"] = bound.into();
-                line += &format!(
-                    "  roofline {:6.2} ms ({bound}), efficiency {:.2}",
-                    limit * 1e3,
-                    limit / best
-                );
-            }
-            if !args.json {
-                println!("{line}");
-            }
-            rows.push(row);
         }
+        for (&block, best) in args.blocks.iter().zip(best) {
+            timings.push((dtype, block, past, best, m.forward_cost(block, past)));
+        }
+    }
+    // The machine's limits: the best of a measurement before and one after the blocks.
+    let machine = before.map(|b| b.best_with(&Roofline::measure()));
+    if let (Some(m), false) = (&machine, args.json) {
+        println!("{m}");
+    }
+    let mut rows = Vec::new();
+    let mut one = None;
+    for (dtype, block, past, best, cost) in timings {
+        if block == args.blocks[0] {
+            one = Some(best);
+        }
+        let base = one.unwrap_or(best);
+        let mut row = serde_json::json!({
+            "dtype": dtype.name(), "block": block, "past": past, "ms": best * 1e3,
+            "ratio": best / base,
+            "weight_mb": cost.weight_bytes / 1e6, "gflop": cost.flops / 1e9,
+        });
+        let mut line = format!(
+            "{:>4} block {block:>2}: {:7.2} ms ({:.2}x one token)",
+            dtype.name(),
+            best * 1e3,
+            best / base
+        );
+        if let Some(machine) = &machine {
+            let limit = machine.seconds(cost.bytes(), cost.flops);
+            let bound = machine.bound(cost.bytes(), cost.flops);
+            row["roofline_ms"] = (limit * 1e3).into();
+            row["efficiency"] = (limit / best).into();
+            row["bound"] = bound.into();
+            line += &format!(
+                "  roofline {:6.2} ms ({bound}), efficiency {:.2}",
+                limit * 1e3,
+                limit / best
+            );
+        }
+        if !args.json {
+            println!("{line}");
+        }
+        rows.push(row);
     }
     if args.json {
         println!(

@@ -44,6 +44,16 @@ impl Roofline {
         }
     }
 
+    /// The higher bandwidth and the higher peak of two measurements of the same machine (each
+    /// probe can only be slowed down by other work on the host, never sped up).
+    pub fn best_with(&self, other: &Roofline) -> Roofline {
+        Roofline {
+            bandwidth_gb_s: self.bandwidth_gb_s.max(other.bandwidth_gb_s),
+            fma_gflop_s: self.fma_gflop_s.max(other.fma_gflop_s),
+            ..*self
+        }
+    }
+
     /// The least time (seconds) in which this machine can read `bytes` from memory and do
     /// `flops` floating-point operations, overlapping the two perfectly.
     pub fn seconds(&self, bytes: f64, flops: f64) -> f64 {
