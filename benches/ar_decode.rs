@@ -5,9 +5,10 @@
 //! ```
 //! Prompts are the first questions of a few Spec-Bench categories, through the chat template.
 //! Each configuration runs every prompt once after one warm-up generation. On the CPU backends
-//! the machine's roofline is measured in the same run (read bandwidth, FMA peak): each decoding
-//! step streams every weight once, so its limit is `weight bytes / bandwidth` (plus the KV
-//! cache read), and efficiency = that limit / the measured decoding time.
+//! the machine's roofline is measured in the same run (read bandwidth, FMA peak; the best of a
+//! probe before and one after the runs): each decoding step streams every weight once, so its
+//! limit is `weight bytes / bandwidth` (plus the KV cache read), and efficiency = that limit /
+//! the measured decoding time.
 
 use std::ops::ControlFlow;
 
@@ -50,16 +51,11 @@ fn main() -> Result<()> {
         .backends
         .iter()
         .any(|b| matches!(b, Backend::Flex | Backend::Tch));
-    let machine = cpu.then(Roofline::measure);
-    if let (Some(m), false) = (&machine, args.json) {
-        println!("{m}");
-    }
+    let before = cpu.then(Roofline::measure);
     let file_bytes = std::fs::metadata(&path)?.len();
     let mut results = Vec::new();
     for backend in &args.backends {
-        let machine = machine
-            .as_ref()
-            .filter(|_| matches!(backend, Backend::Flex | Backend::Tch));
+        let on_cpu = matches!(backend, Backend::Flex | Backend::Tch);
         for &dtype in &args.dtypes {
             let device = backend.device()?;
             let options = LoadOptions {
@@ -82,59 +78,68 @@ fn main() -> Result<()> {
             };
             generator.generate(&warm, &warm_config, |_| ControlFlow::Continue(()))?;
             let (mut tokens, mut seconds, mut decode_seconds) = (0usize, 0f64, 0f64);
-            // The roofline time of the decoding steps (every token after the prefill's first).
-            let mut limit_seconds = 0f64;
+            // The bytes and flops of the decoding steps (every token after the prefill's first),
+            // for their roofline time.
+            let mut steps = Vec::new();
             for p in PROMPTS {
                 let ids = lm.chat_prompt(p)?;
                 let out = generator.generate(&ids, &config, |_| ControlFlow::Continue(()))?;
                 tokens += out.stats.new_tokens;
                 seconds += out.stats.seconds;
                 decode_seconds += out.stats.seconds - out.stats.prefill_seconds;
-                if let Some(m) = machine {
-                    for past in ids.len()..ids.len() + out.stats.new_tokens.saturating_sub(1) {
-                        let cost = lm.model.forward_cost(1, past);
-                        limit_seconds += m.seconds(cost.bytes(), cost.flops);
-                    }
+                for past in ids.len()..ids.len() + out.stats.new_tokens.saturating_sub(1) {
+                    let cost = lm.model.forward_cost(1, past);
+                    steps.push((cost.bytes(), cost.flops));
                 }
             }
             let decode_tps = (tokens - PROMPTS.len()) as f64 / decode_seconds;
-            let mut row = serde_json::json!({
+            let row = serde_json::json!({
                 "backend": backend.name(), "dtype": dtype.name(), "new_tokens": tokens,
                 "tokens_per_second": tokens as f64 / seconds,
                 "decode_tokens_per_second": decode_tps,
                 "weight_bytes": lm.model.weight_bytes(), "file_bytes": file_bytes,
                 "model_resident_bytes": model_rss,
             });
-            let mut line = format!(
-                "{:>8} {:>6}: {:6.1} tokens/s overall, {:6.1} tokens/s decoding ({} tokens), weights {:.0} MB (file {:.0} MB, resident +{:.0} MB)",
-                backend.name(),
-                dtype.name(),
-                tokens as f64 / seconds,
-                decode_tps,
-                tokens,
-                lm.model.weight_bytes() as f64 / 1e6,
-                file_bytes as f64 / 1e6,
-                model_rss as f64 / 1e6,
-            );
-            if machine.is_some() {
-                let efficiency = limit_seconds / decode_seconds;
-                let limit_tps = (tokens - PROMPTS.len()) as f64 / limit_seconds;
-                row["roofline_tokens_per_second"] = limit_tps.into();
-                row["efficiency"] = efficiency.into();
-                line += &format!(", roofline {limit_tps:6.1} tokens/s, efficiency {efficiency:.2}");
-            }
-            if !args.json {
-                println!("{line}");
-            }
-            results.push(row);
+            results.push((row, steps, decode_seconds, tokens - PROMPTS.len(), on_cpu));
         }
+    }
+    // The machine's limits: the best of a measurement before and one after the runs.
+    let machine = before.map(|b| b.best_with(&Roofline::measure()));
+    if let (Some(m), false) = (&machine, args.json) {
+        println!("{m}");
+    }
+    let mut rows = Vec::new();
+    for (mut row, steps, decode_seconds, decoded, on_cpu) in results {
+        let mut line = format!(
+            "{:>8} {:>6}: {:6.1} tokens/s overall, {:6.1} tokens/s decoding ({} tokens), weights {:.0} MB (file {:.0} MB, resident +{:.0} MB)",
+            row["backend"].as_str().unwrap_or_default(),
+            row["dtype"].as_str().unwrap_or_default(),
+            row["tokens_per_second"].as_f64().unwrap_or_default(),
+            row["decode_tokens_per_second"].as_f64().unwrap_or_default(),
+            row["new_tokens"],
+            row["weight_bytes"].as_f64().unwrap_or_default() / 1e6,
+            row["file_bytes"].as_f64().unwrap_or_default() / 1e6,
+            row["model_resident_bytes"].as_f64().unwrap_or_default() / 1e6,
+        );
+        if let Some(m) = machine.filter(|_| on_cpu) {
+            let limit_seconds: f64 = steps.iter().map(|&(b, f)| m.seconds(b, f)).sum();
+            let efficiency = limit_seconds / decode_seconds;
+            let limit_tps = decoded as f64 / limit_seconds;
+            row["roofline_tokens_per_second"] = limit_tps.into();
+            row["efficiency"] = efficiency.into();
+            line += &format!(", roofline {limit_tps:6.1} tokens/s, efficiency {efficiency:.2}");
+        }
+        if !args.json {
+            println!("{line}");
+        }
+        rows.push(row);
     }
     if args.json {
         println!(
             "{}",
             serde_json::json!({
                 "model": path.display().to_string(), "cpu": roofline::cpu_name(),
-                "machine": machine, "results": results,
+                "machine": machine, "results": rows,
             })
         );
     }
