@@ -4,7 +4,7 @@
 //! stored `[k][PANEL]`, so the 16 weights that meet one activation value are adjacent (one
 //! 64-byte line in f32) and the whole matrix is read front to back exactly once per product.
 //! The last panel is padded with zero rows. The panels live on huge pages where the OS offers
-//! them ([`super::huge_pages`]).
+//! them (module `huge_pages`).
 
 use half::{bf16, f16};
 
