@@ -22,6 +22,7 @@ pub mod pool;
 pub mod q8;
 pub mod qformat;
 pub mod qmatmul;
+mod qpanel;
 pub mod roofline;
 pub mod rows;
 

@@ -5,7 +5,10 @@
 //! Why: decoding streams every weight once per token; in Q4_1 that is 5 bits per weight
 //! instead of 32, and a block of rows reads each weight block once for all of them.
 //!
-//! Batch invariance: output `(j, o)` is, for each sub-block `n` of 32 in order, the exact
+//! Q4_0, Q4_1 and Q8_0 are regrouped at load into panels of 8 rows ([`super::qpanel`], whose
+//! kernel serves 8 outputs per instruction); the K-quants stay in the file's row-major blocks.
+//!
+//! Batch invariance of the row-major kernel: output `(j, o)` is, for each sub-block `n` of 32 in order, the exact
 //! integer dot product of the codes in 8 lanes of 4, each lane accumulated in f32 as
 //! `acc = fma(dot, s_w · d_x, acc)`, the offsets in their own chain `c = fma(m_w, d_x·Σq_x, c)`,
 //! and finally `y = ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)) + c`. Nothing there depends on
@@ -19,6 +22,8 @@ use super::matmul::ShapeError;
 use super::pool::Pool;
 use super::q8::Q8Rows;
 use super::qformat::{Offset, QuantFormat, SUB};
+use super::qpanel;
+use std::borrow::Cow;
 
 /// Activation rows per register tile (AVX2: 2 outputs × 4 rows = 8 accumulators).
 const MAX_ROWS: usize = 4;
@@ -45,7 +50,8 @@ struct Part {
     /// First output row.
     first: usize,
     rows: usize,
-    /// The blocks, on huge pages where the OS offers them ([`super::huge_pages`]).
+    /// The blocks, in panels for the formats [`qpanel`] takes, else as in the file; on huge
+    /// pages where the OS offers them ([`super::huge_pages`]).
     data: HugeBuf<u8>,
 }
 
@@ -96,11 +102,16 @@ impl QuantMatrix {
                 k,
             });
         }
+        let data = if qpanel::supports(format) {
+            HugeBuf::from_slice(&qpanel::repack(format, &data, rows, k))
+        } else {
+            HugeBuf::from_slice(&data)
+        };
         self.parts.push(Part {
             format,
             first: self.out,
             rows,
-            data: HugeBuf::from_slice(&data),
+            data,
         });
         self.out += rows;
         Ok(())
@@ -116,7 +127,7 @@ impl QuantMatrix {
         self.k
     }
 
-    /// Bytes held (the file's bytes).
+    /// Bytes held (the file's bytes, plus the padding of a last panel of fewer than 8 rows).
     pub fn bytes(&self) -> usize {
         self.parts.iter().map(|p| p.data.len()).sum()
     }
@@ -126,14 +137,23 @@ impl QuantMatrix {
         self.parts.iter().map(|p| p.format).collect()
     }
 
-    /// The bytes and format of output row `o`.
-    fn row(&self, o: usize) -> Option<(QuantFormat, &[u8])> {
+    /// The format and the file's bytes of output row `o` (rebuilt from its panel where the
+    /// part is stored in panels).
+    fn row(&self, o: usize) -> Option<(QuantFormat, Cow<'_, [u8]>)> {
         let p = self
             .parts
             .iter()
             .find(|p| (p.first..p.first + p.rows).contains(&o))?;
-        let bytes = self.k / p.format.block_len() * p.format.block_bytes();
-        Some((p.format, &p.data[(o - p.first) * bytes..][..bytes]))
+        let (r, bb) = (o - p.first, p.format.block_bytes());
+        let bytes = self.k / p.format.block_len() * bb;
+        if !qpanel::supports(p.format) {
+            return Some((p.format, Cow::Borrowed(&p.data[r * bytes..][..bytes])));
+        }
+        let mut row = vec![0u8; bytes];
+        for (n, block) in row.chunks_exact_mut(bb).enumerate() {
+            qpanel::file_block(p.format, &p.data, self.k, r, n, block);
+        }
+        Some((p.format, Cow::Owned(row)))
     }
 
     /// Output row `o` dequantized to f32 (by [`crate::quant::GgmlType::dequantize`], so the
@@ -150,7 +170,7 @@ impl QuantMatrix {
         };
         let values = format
             .ggml()
-            .dequantize("row", bytes, self.k)
+            .dequantize("row", &bytes, self.k)
             .map_err(|_| bad)?;
         out.copy_from_slice(&values);
         Ok(())
@@ -185,10 +205,10 @@ impl QuantMatrix {
             })?;
             match runs.last_mut() {
                 Some((f, data, rows)) if *f == format => {
-                    data.extend_from_slice(bytes);
+                    data.extend_from_slice(&bytes);
                     *rows += 1;
                 }
-                _ => runs.push((format, bytes.to_vec(), 1)),
+                _ => runs.push((format, bytes.into_owned(), 1)),
             }
         }
         for (format, data, rows) in runs {
@@ -234,20 +254,72 @@ impl QuantMatrix {
     /// The product with already quantized rows (`acts.k() == self.k()`, `y: [rows, out]`).
     fn matmul_q8(&self, isa: Isa, pool: &Pool, acts: &Q8Rows, y: &mut [f32]) {
         let isa = isa.supported();
-        let out = self.out;
         let y_ptr = super::pool::Disjoint(y.as_mut_ptr());
-        // Tiles in shrinking ranges ([`super::pool::Guided`]): the threads finish together.
-        pool.run_ranges(out.div_ceil(OUTS), &|tiles| {
-            let (o0, o1) = (tiles.start * OUTS, (tiles.end * OUTS).min(out));
+        // Units of 8 output rows inside one part (a panel, or 4 row-major tiles), in shrinking
+        // ranges ([`super::pool::Guided`]): the threads finish together.
+        let units: usize = self.parts.iter().map(|p| p.rows.div_ceil(UNIT)).sum();
+        pool.run_ranges(units, &|range| {
+            let mut first = 0;
             for part in &self.parts {
-                let (a, z) = (o0.max(part.first), o1.min(part.first + part.rows));
+                let n = part.rows.div_ceil(UNIT);
+                let (a, z) = (range.start.max(first), range.end.min(first + n));
                 if a < z {
                     // SAFETY: tasks write disjoint output columns of `y`, which has
                     // `rows · out` elements (checked by the caller).
-                    unsafe { part_rows(isa, part, self.k, acts, a, z, out, y_ptr.ptr()) };
+                    unsafe { part_units(isa, part, self, acts, a - first..z - first, y_ptr.ptr()) };
                 }
+                first += n;
             }
         });
+    }
+}
+
+/// Output rows per unit of work.
+const UNIT: usize = qpanel::ROWS;
+
+/// Units `units` of `part` (rows `8u..8u + 8` of the part) against every activation row.
+///
+/// # Safety
+/// `y` holds `acts.rows · m.out` floats and no other thread writes these units' columns.
+unsafe fn part_units(
+    isa: Isa,
+    part: &Part,
+    m: &QuantMatrix,
+    acts: &Q8Rows,
+    units: std::ops::Range<usize>,
+    y: *mut f32,
+) {
+    let (k, out) = (m.k, m.out);
+    if !qpanel::supports(part.format) {
+        let o0 = part.first + units.start * UNIT;
+        let o1 = part.first + (units.end * UNIT).min(part.rows);
+        // SAFETY: as this function's.
+        unsafe { part_rows(isa, part, k, acts, o0, o1, out, y) };
+        return;
+    }
+    let panel_bytes = k / SUB * qpanel::sub_bytes(part.format);
+    let rows = acts.rows;
+    let groups = rows.div_ceil(qpanel::max_acts(part.format));
+    let (base, extra) = (rows / groups, rows % groups);
+    let mut tile = [[0f32; qpanel::ROWS]; qpanel::MAX_ACTS];
+    for p in units {
+        let panel = &part.data[p * panel_bytes..][..panel_bytes];
+        let o = part.first + p * UNIT;
+        let valid = (part.rows - p * UNIT).min(UNIT);
+        let mut j = 0;
+        for g in 0..groups {
+            let count = base + usize::from(g < extra);
+            // SAFETY: `isa` is supported, the part is in panels, `count ≤ max_acts`.
+            unsafe { qpanel::tile(isa, part.format, panel, acts, j, count, &mut tile) };
+            for (i, values) in tile.iter().enumerate().take(count) {
+                // SAFETY: row `j + i` of `y` has `out` columns from `o` on, `valid` of them
+                // this unit's.
+                let dst =
+                    unsafe { std::slice::from_raw_parts_mut(y.add((j + i) * out + o), valid) };
+                dst.copy_from_slice(&values[..valid]);
+            }
+            j += count;
+        }
     }
 }
 
@@ -624,12 +696,16 @@ mod tests {
                     k,
                 )
                 .unwrap();
-                assert_eq!(m.bytes(), out * row_bytes);
+                let padded = if qpanel::supports(format) {
+                    out.next_multiple_of(8)
+                } else {
+                    out
+                };
+                assert_eq!(m.bytes(), padded * row_bytes);
                 let w = m.dequantize();
-                let want_w = format
-                    .ggml()
-                    .dequantize("t", &m.parts[0].data, out * k)
-                    .unwrap();
+                let bytes = blocks(format, out * k / format.block_len(), 3);
+                let want_w = format.ggml().dequantize("t", &bytes, out * k).unwrap();
+                assert_eq!(w, want_w);
                 assert_eq!(w.len(), want_w.len());
                 for b in [1, 2, 3, 5, 9] {
                     let x = values(b * k, 7 + b as u32);
