@@ -78,7 +78,7 @@ fn main() -> Result<()> {
             };
             generator.generate(&warm, &warm_config, |_| ControlFlow::Continue(()))?;
             let (mut tokens, mut seconds, mut decode_seconds) = (0usize, 0f64, 0f64);
-            // The bytes and flops of the decoding steps (every token after the prefill's first),
+            // The bytes, flops and int8 ops of the decoding steps (every token after the prefill's first),
             // for their roofline time.
             let mut steps = Vec::new();
             for p in PROMPTS {
@@ -89,7 +89,7 @@ fn main() -> Result<()> {
                 decode_seconds += out.stats.seconds - out.stats.prefill_seconds;
                 for past in ids.len()..ids.len() + out.stats.new_tokens.saturating_sub(1) {
                     let cost = lm.model.forward_cost(1, past);
-                    steps.push((cost.bytes(), cost.flops));
+                    steps.push((cost.bytes(), cost.flops, cost.int8_ops));
                 }
             }
             let decode_tps = (tokens - PROMPTS.len()) as f64 / decode_seconds;
@@ -122,7 +122,7 @@ fn main() -> Result<()> {
             row["model_resident_bytes"].as_f64().unwrap_or_default() / 1e6,
         );
         if let Some(m) = machine.filter(|_| on_cpu) {
-            let limit_seconds: f64 = steps.iter().map(|&(b, f)| m.seconds(b, f)).sum();
+            let limit_seconds: f64 = steps.iter().map(|&(b, f, i)| m.seconds(b, f, i)).sum();
             let efficiency = limit_seconds / decode_seconds;
             let limit_tps = decoded as f64 / limit_seconds;
             row["roofline_tokens_per_second"] = limit_tps.into();

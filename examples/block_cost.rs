@@ -4,11 +4,12 @@
 //! ```text
 //! cargo run --release --example block_cost -- [--dtypes native,f32,f16,bf16] [--blocks 1,2,4,8,16,32,64] [--json]
 //! ```
-//! In the same run it measures the machine's read bandwidth and FMA peak (on the kernels' threads
-//! and instruction set; the best of a probe before and one after the blocks) and reports, per
-//! weight dtype and block size: the time of a full forward pass (best of `--reps`, taken round
-//! the block sizes, after a chat prompt), its ratio to one token, the roofline time
-//! `max(bytes / bandwidth, flops / peak)` and efficiency = roofline / measured.
+//! In the same run it measures the machine's read bandwidth, FMA peak and 8-bit integer
+//! multiply-add peak (on the kernels' threads and instruction set; the best of a probe before and
+//! one after the blocks) and reports, per weight dtype and block size: the time of a full forward
+//! pass (best of `--reps`, taken round the block sizes, after a chat prompt), its ratio to one
+//! token, the roofline time `max(bytes / bandwidth, flops / FMA peak + int8 ops / int8 peak)`
+//! (int8 ops: the natively quantized matrices' products) and efficiency = roofline / measured.
 
 use std::time::Instant;
 
@@ -100,6 +101,7 @@ fn main() -> Result<()> {
             "dtype": dtype.name(), "block": block, "past": past, "ms": best * 1e3,
             "ratio": best / base,
             "weight_mb": cost.weight_bytes / 1e6, "gflop": cost.flops / 1e9,
+            "int8_gop": cost.int8_ops / 1e9,
         });
         let mut line = format!(
             "{:>4} block {block:>2}: {:7.2} ms ({:.2}x one token)",
@@ -108,8 +110,8 @@ fn main() -> Result<()> {
             best / base
         );
         if let Some(machine) = &machine {
-            let limit = machine.seconds(cost.bytes(), cost.flops);
-            let bound = machine.bound(cost.bytes(), cost.flops);
+            let limit = machine.seconds(cost.bytes(), cost.flops, cost.int8_ops);
+            let bound = machine.bound(cost.bytes(), cost.flops, cost.int8_ops);
             row["roofline_ms"] = (limit * 1e3).into();
             row["efficiency"] = (limit / best).into();
             row["bound"] = bound.into();

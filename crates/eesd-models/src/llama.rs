@@ -43,9 +43,11 @@ pub struct ForwardCost {
     pub weight_bytes: f64,
     /// Bytes of cached keys and values read by attention (each once).
     pub cache_bytes: f64,
-    /// Floating-point operations: `2 · params · rows` for the matrices, plus attention's
+    /// Floating-point operations: `2 · params · rows` for the float matrices, plus attention's
     /// `4 · layers · heads · head_dim` per row and attended position.
     pub flops: f64,
+    /// 8-bit integer operations of the natively quantized matrices: `2 · params · rows`.
+    pub int8_ops: f64,
 }
 
 impl ForwardCost {
@@ -331,25 +333,26 @@ impl Llama {
     /// after `past` cached positions.
     pub fn forward_cost(&self, rows: usize, past: usize) -> ForwardCost {
         let c = &self.config;
+        // (float params, quantized params, bytes) of one matrix.
         let matrix = |w: &Param<Tensor<2>>, native: Option<&Arc<QuantMatrix>>| match native {
-            Some(q) => ((q.out() * q.k()) as f64, q.bytes() as f64),
+            Some(q) => (0.0, (q.out() * q.k()) as f64, q.bytes() as f64),
             None => {
                 let [o, k] = w.dims();
-                ((o * k) as f64, (o * k * w.dtype().size()) as f64)
+                ((o * k) as f64, 0.0, (o * k * w.dtype().size()) as f64)
             }
         };
-        let mut params = 0f64;
-        let mut bytes = 0f64;
+        let (mut params, mut quantized, mut bytes) = (0f64, 0f64, 0f64);
+        let mut add = |(p, q, b): (f64, f64, f64)| {
+            params += p;
+            quantized += q;
+            bytes += b;
+        };
         for layer in &self.layers {
             for w in [&layer.wqkv, &layer.wo, &layer.w_gate_up, &layer.w_down] {
-                let (p, b) = matrix(w, layer.native.get(w));
-                params += p;
-                bytes += b;
+                add(matrix(w, layer.native.get(w)));
             }
         }
-        let (p, b) = matrix(&self.lm_head, self.native_lm_head.as_ref());
-        params += p;
-        bytes += b;
+        add(matrix(&self.lm_head, self.native_lm_head.as_ref()));
         let layers = self.layers.len() as f64;
         let d = c.head_dim() as f64;
         // Row r attends to past + r + 1 positions.
@@ -359,6 +362,7 @@ impl Llama {
             weight_bytes: bytes,
             cache_bytes: 2.0 * layers * (past + rows) as f64 * c.num_kv_heads as f64 * d * 4.0,
             flops: 2.0 * params * rows as f64 + attention,
+            int8_ops: 2.0 * quantized * rows as f64,
         }
     }
 

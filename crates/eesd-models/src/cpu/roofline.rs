@@ -1,8 +1,10 @@
-//! Measuring this machine's roofline: read bandwidth from memory and the FMA peak, on the same
-//! threads and instruction set the kernels use.
+//! Measuring this machine's roofline: read bandwidth from memory, the FMA peak and the 8-bit
+//! integer multiply-add peak, on the same threads and instruction set the kernels use.
 //!
 //! A forward pass over `b` rows must stream the weights once (`bytes`) and do about
-//! `2 · params · b` flops; at best it takes `max(bytes / bandwidth, flops / peak)`. Benchmarks
+//! `2 · params · b` operations, in floats or, for natively quantized matrices, in 8-bit
+//! integer products; at best it takes `max(bytes / bandwidth, flops / FMA peak + int8 ops /
+//! int8 peak)` (both kinds of arithmetic share the vector units, so their times add). Benchmarks
 //! report measured time against that bound (`efficiency = roofline / measured`), so a reader
 //! sees how far each block size is from the hardware rather than from a previous version.
 
@@ -27,6 +29,10 @@ pub struct Roofline {
     pub bandwidth_gb_s: f64,
     /// Fused multiply-add peak, GFLOP/s (one FMA = 2 flops), best of several runs.
     pub fma_gflop_s: f64,
+    /// 8-bit integer multiply-add peak, GOP/s (one multiply-add = 2 ops), with the quantized
+    /// kernels' instruction (AVX2 `vpmaddubsw`: 32 products summed in pairs), best of several
+    /// runs.
+    pub int8_gop_s: f64,
 }
 
 impl Roofline {
@@ -41,6 +47,7 @@ impl Roofline {
             threads: pool.threads(),
             bandwidth_gb_s: read_bandwidth(pool, isa, PROBE_BYTES, 10),
             fma_gflop_s: fma_peak(pool, isa, 20),
+            int8_gop_s: int8_peak(pool, isa, 20),
         }
     }
 
@@ -50,20 +57,22 @@ impl Roofline {
         Roofline {
             bandwidth_gb_s: self.bandwidth_gb_s.max(other.bandwidth_gb_s),
             fma_gflop_s: self.fma_gflop_s.max(other.fma_gflop_s),
+            int8_gop_s: self.int8_gop_s.max(other.int8_gop_s),
             ..*self
         }
     }
 
     /// The least time (seconds) in which this machine can read `bytes` from memory and do
-    /// `flops` floating-point operations, overlapping the two perfectly.
-    pub fn seconds(&self, bytes: f64, flops: f64) -> f64 {
-        let (memory, compute) = self.times(bytes, flops);
+    /// `flops` floating-point and `int8_ops` 8-bit integer operations, overlapping memory and
+    /// arithmetic perfectly.
+    pub fn seconds(&self, bytes: f64, flops: f64, int8_ops: f64) -> f64 {
+        let (memory, compute) = self.times(bytes, flops, int8_ops);
         memory.max(compute)
     }
 
-    /// Which limit binds for `bytes` and `flops`: `"memory"` or `"compute"`.
-    pub fn bound(&self, bytes: f64, flops: f64) -> &'static str {
-        let (memory, compute) = self.times(bytes, flops);
+    /// Which limit binds: `"memory"` or `"compute"`.
+    pub fn bound(&self, bytes: f64, flops: f64, int8_ops: f64) -> &'static str {
+        let (memory, compute) = self.times(bytes, flops, int8_ops);
         if memory >= compute {
             "memory"
         } else {
@@ -71,11 +80,11 @@ impl Roofline {
         }
     }
 
-    /// Seconds to read `bytes` and, separately, to do `flops`.
-    fn times(&self, bytes: f64, flops: f64) -> (f64, f64) {
+    /// Seconds to read `bytes` and, separately, to do the arithmetic.
+    fn times(&self, bytes: f64, flops: f64, int8_ops: f64) -> (f64, f64) {
         (
             bytes / (self.bandwidth_gb_s * 1e9),
-            flops / (self.fma_gflop_s * 1e9),
+            flops / (self.fma_gflop_s * 1e9) + int8_ops / (self.int8_gop_s * 1e9),
         )
     }
 }
@@ -85,12 +94,13 @@ impl std::fmt::Display for Roofline {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} ({} threads, {}): read {:.1} GB/s, FMA peak {:.0} GFLOP/s",
+            "{} ({} threads, {}): read {:.1} GB/s, FMA peak {:.0} GFLOP/s, int8 peak {:.0} GOP/s",
             cpu_name(),
             self.threads,
             self.isa.name(),
             self.bandwidth_gb_s,
-            self.fma_gflop_s
+            self.fma_gflop_s,
+            self.int8_gop_s
         )
     }
 }
@@ -145,6 +155,52 @@ pub fn fma_peak(pool: &Pool, isa: Isa, runs: usize) -> f64 {
         best = best.max(flops / start.elapsed().as_secs_f64() / 1e9);
     }
     best
+}
+
+/// Best GOP/s over `runs` of register-only 8-bit multiply-add chains on every thread of the
+/// pool.
+pub fn int8_peak(pool: &Pool, isa: Isa, runs: usize) -> f64 {
+    const STEPS: usize = 2_000_000;
+    let tasks = pool.threads();
+    let mut best = 0f64;
+    for _ in 0..runs {
+        let start = Instant::now();
+        let ops_per_task = std::sync::atomic::AtomicUsize::new(0);
+        pool.run(tasks, &|_| {
+            let ops = int8_chains(isa, STEPS);
+            ops_per_task.store(ops, std::sync::atomic::Ordering::Relaxed);
+        });
+        let ops = (ops_per_task.into_inner() * tasks) as f64;
+        best = best.max(ops / start.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}
+
+/// Runs 8-bit multiply-add chains for `steps` steps with the quantized kernels' instructions
+/// and returns the operations done.
+fn int8_chains(isa: Isa, steps: usize) -> usize {
+    match isa.supported() {
+        // SAFETY: the CPU supports AVX2 (the quantized kernels use it on AVX-512 machines too).
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx2 => unsafe { x86::maddubs_chains(steps) },
+        _ => scalar_int8_chains(steps),
+    }
+}
+
+/// 12 chains of scalar 32-bit multiply-adds (the portable kernel's arithmetic).
+fn scalar_int8_chains(steps: usize) -> usize {
+    let m = std::hint::black_box(3i32);
+    let mut acc: [i32; 12] = std::array::from_fn(|i| i as i32);
+    for _ in 0..steps / 64 {
+        for _ in 0..64 {
+            for a in acc.iter_mut() {
+                *a = a.wrapping_mul(m).wrapping_add(1);
+            }
+        }
+        acc = std::hint::black_box(acc);
+    }
+    std::hint::black_box(acc);
+    steps / 64 * 64 * 12 * 2
 }
 
 /// Sums `x` with the widest loads `isa` has (four independent accumulators).
@@ -249,6 +305,25 @@ mod x86 {
         unsafe { chains_with::<__m256, 12>(steps) }
     }
 
+    /// 12 chains of `vpmaddubsw` (32 multiply-adds each): enough to cover 2 units × 3–5
+    /// cycles of latency. The values are meaningless; the timing does not depend on them.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn maddubs_chains(steps: usize) -> usize {
+        use std::arch::x86_64::*;
+        let m = _mm256_set1_epi8(std::hint::black_box(3));
+        let mut acc: [__m256i; 12] = std::array::from_fn(|i| _mm256_set1_epi8(i as i8));
+        for _ in 0..steps / 64 {
+            for _ in 0..64 {
+                for a in acc.iter_mut() {
+                    *a = _mm256_maddubs_epi16(*a, m);
+                }
+            }
+            acc = std::hint::black_box(acc);
+        }
+        std::hint::black_box(acc);
+        steps / 64 * 64 * 12 * 64
+    }
+
     /// 24 chains of 16 lanes.
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub(super) unsafe fn chains_avx512(steps: usize) -> usize {
@@ -266,15 +341,20 @@ mod tests {
         let isa = Isa::detect();
         assert!(read_bandwidth(&pool, isa, 8 << 20, 1) > 0.1);
         assert!(fma_peak(&pool, isa, 1) > 0.1);
+        assert!(int8_peak(&pool, isa, 1) > 0.1);
+        assert!(int8_peak(&pool, Isa::Portable, 1) > 0.1);
         let r = Roofline {
             isa,
             threads: 2,
             bandwidth_gb_s: 10.0,
             fma_gflop_s: 100.0,
+            int8_gop_s: 400.0,
         };
-        assert!((r.seconds(1e9, 1e9) - 0.1).abs() < 1e-12);
-        assert!((r.seconds(1e8, 1e11) - 1.0).abs() < 1e-12);
-        assert_eq!(r.bound(1e9, 1e9), "memory");
-        assert_eq!(r.bound(1e8, 1e11), "compute");
+        assert!((r.seconds(1e9, 1e9, 0.0) - 0.1).abs() < 1e-12);
+        assert!((r.seconds(1e8, 1e11, 0.0) - 1.0).abs() < 1e-12);
+        assert!((r.seconds(1e8, 1e11, 4e11) - 2.0).abs() < 1e-12);
+        assert_eq!(r.bound(1e9, 1e9, 0.0), "memory");
+        assert_eq!(r.bound(1e8, 1e11, 0.0), "compute");
+        assert_eq!(r.bound(1e9, 0.0, 4e10), "memory");
     }
 }
