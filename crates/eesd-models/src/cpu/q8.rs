@@ -74,11 +74,20 @@ simd_fn! {
     /// Quantizes one row: per sub-block, `d = max|x| / 127` and `q = round(x · 127 / max|x|)`.
     fn quantize_row(x: &[f32], q: &mut [i8], d: &mut [f32]) {
         for ((x, q), d) in x.chunks_exact(SUB).zip(q.chunks_exact_mut(SUB)).zip(d.iter_mut()) {
-            let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            // The maximum in 8 lanes, as compare-and-select (which vectorises; `f32::max`
+            // does not), then across them: a maximum is exact in any order.
+            let mut lanes = [0f32; 8];
+            for c in x.chunks_exact(8) {
+                for (m, &v) in lanes.iter_mut().zip(c) {
+                    let a = v.abs();
+                    *m = if a > *m { a } else { *m };
+                }
+            }
+            let amax = lanes.iter().fold(0f32, |m, &v| if v > m { v } else { m });
             let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
             *d = amax / 127.0;
             for (q, &v) in q.iter_mut().zip(x) {
-                *q = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+                *q = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i32 as i8;
             }
         }
     }
