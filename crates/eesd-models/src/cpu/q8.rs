@@ -70,6 +70,10 @@ impl Q8Rows {
     }
 }
 
+/// `1.5·2²³`: adding it to an integer of magnitude below 2²² puts the integer in the low
+/// mantissa bits.
+const MAGIC: f32 = 12_582_912.0;
+
 simd_fn! {
     /// Quantizes one row: per sub-block, `d = max|x| / 127` and `q = round(x · 127 / max|x|)`.
     fn quantize_row(x: &[f32], q: &mut [i8], d: &mut [f32]) {
@@ -87,7 +91,10 @@ simd_fn! {
             let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
             *d = amax / 127.0;
             for (q, &v) in q.iter_mut().zip(x) {
-                *q = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i32 as i8;
+                let r = (v * inv).round_ties_even().clamp(-127.0, 127.0);
+                // `r` is a small integer, so `r + 1.5·2²³` is exact and its low mantissa bits
+                // hold it: a conversion that vectorises, where `as` saturates lane by lane.
+                *q = ((r + MAGIC).to_bits() as i32 - MAGIC.to_bits() as i32) as i8;
             }
         }
     }
@@ -130,6 +137,28 @@ mod tests {
                 assert_eq!(alone.sum[s * alone.stride], block.sum[s * block.stride + r]);
             }
         }
+    }
+
+    /// The vectorised conversion gives what `as` gives, ties (to even) and extremes included.
+    #[test]
+    fn codes_are_the_rounded_clamped_scaled_values() {
+        // Amax 127 makes the scale 1, so x.5 values are exact ties.
+        let mut x: Vec<f32> = (0..2 * SUB).map(|i| i as f32 * 2.5 - 79.5).collect();
+        x[0] = 127.0;
+        x[SUB] = -127.0;
+        x[SUB + 1] = 126.5;
+        x[SUB + 2] = -0.5;
+        let mut q = Q8Rows::default();
+        q.quantize_into(&x, 2 * SUB);
+        for (i, &v) in x.iter().enumerate() {
+            let amax = x[i / SUB * SUB..][..SUB]
+                .iter()
+                .fold(0f32, |m, v| m.max(v.abs()));
+            let want = (v * (127.0 / amax)).round_ties_even().clamp(-127.0, 127.0) as i8;
+            assert_eq!(q.q[i], want, "{v}");
+        }
+        assert_eq!(q.q[SUB + 1], 126);
+        assert_eq!(q.q[SUB + 2], 0);
     }
 
     #[test]
