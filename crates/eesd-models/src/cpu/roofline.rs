@@ -141,25 +141,18 @@ pub fn read_bandwidth(pool: &Pool, isa: Isa, bytes: usize, passes: usize) -> f64
 
 /// Best GFLOP/s over `runs` of register-only FMA chains on every thread of the pool.
 pub fn fma_peak(pool: &Pool, isa: Isa, runs: usize) -> f64 {
-    const STEPS: usize = 2_000_000;
-    let tasks = pool.threads();
-    let mut best = 0f64;
-    for _ in 0..runs {
-        let start = Instant::now();
-        let flops_per_task = std::sync::atomic::AtomicUsize::new(0);
-        pool.run(tasks, &|_| {
-            let f = fma_chains(isa, STEPS);
-            flops_per_task.store(f, std::sync::atomic::Ordering::Relaxed);
-        });
-        let flops = (flops_per_task.into_inner() * tasks) as f64;
-        best = best.max(flops / start.elapsed().as_secs_f64() / 1e9);
-    }
-    best
+    peak(pool, runs, &|steps| fma_chains(isa, steps))
 }
 
 /// Best GOP/s over `runs` of register-only 8-bit multiply-add chains on every thread of the
 /// pool.
 pub fn int8_peak(pool: &Pool, isa: Isa, runs: usize) -> f64 {
+    peak(pool, runs, &|steps| int8_chains(isa, steps))
+}
+
+/// Best G-operations per second over `runs` of `chains` (which runs a number of steps and
+/// returns the operations done) on every thread of the pool at once.
+fn peak(pool: &Pool, runs: usize, chains: &(dyn Fn(usize) -> usize + Sync)) -> f64 {
     const STEPS: usize = 2_000_000;
     let tasks = pool.threads();
     let mut best = 0f64;
@@ -167,8 +160,7 @@ pub fn int8_peak(pool: &Pool, isa: Isa, runs: usize) -> f64 {
         let start = Instant::now();
         let ops_per_task = std::sync::atomic::AtomicUsize::new(0);
         pool.run(tasks, &|_| {
-            let ops = int8_chains(isa, STEPS);
-            ops_per_task.store(ops, std::sync::atomic::Ordering::Relaxed);
+            ops_per_task.store(chains(STEPS), std::sync::atomic::Ordering::Relaxed);
         });
         let ops = (ops_per_task.into_inner() * tasks) as f64;
         best = best.max(ops / start.elapsed().as_secs_f64() / 1e9);
