@@ -157,10 +157,15 @@ fn a_run_killed_many_times_on_the_tiny_model_ends_like_an_uninterrupted_one() {
         "128",
     ];
     let straight = dir.path().join("straight");
+    let started = Instant::now();
     finish(&run_args(&model, &prompts, &straight, &settings));
+    // Kill delays scale with the uninterrupted run's time, so that the run is cut about as
+    // many times on a fast machine as on a slow one (a fixed 150 ms gave 12–19 kills here on
+    // some days and more than 20 on others).
+    let max_delay = started.elapsed() / 48;
     let killed = dir.path().join("killed");
     let args = run_args(&model, &prompts, &killed, &settings);
-    let kills = run_with_kills(&args, &killed, 5, Duration::from_millis(150));
+    let kills = run_with_kills(&args, &killed, 5, max_delay);
     eprintln!("finished after {kills} kills");
     assert!(
         kills >= 20,
