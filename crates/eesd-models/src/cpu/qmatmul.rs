@@ -5,7 +5,7 @@
 //! Why: decoding streams every weight once per token; in Q4_1 that is 5 bits per weight
 //! instead of 32, and a block of rows reads each weight block once for all of them.
 //!
-//! Q4_0, Q4_1 and Q8_0 are regrouped at load into panels of 8 rows ([`super::qpanel`], whose
+//! Q4_0, Q4_1 and Q8_0 are regrouped at load into panels of 8 rows (module `qpanel`, whose
 //! kernel serves 8 outputs per instruction); the K-quants stay in the file's row-major blocks.
 //!
 //! Batch invariance of the row-major kernel: output `(j, o)` is, for each sub-block `n` of 32 in order, the exact
@@ -50,7 +50,7 @@ struct Part {
     /// First output row.
     first: usize,
     rows: usize,
-    /// The blocks, in panels for the formats [`qpanel`] takes, else as in the file; on huge
+    /// The blocks, in panels for the formats `qpanel` takes, else as in the file; on huge
     /// pages where the OS offers them ([`super::huge_pages`]).
     data: HugeBuf<u8>,
 }
