@@ -210,12 +210,27 @@ unsafe fn panels<V: Lanes, E: WeightElement, const M: usize, const P: usize>(
     }
 }
 
+/// `rows` activation rows split into `⌈rows / most⌉` consecutive groups as evenly as
+/// possible (8 rows by at most 6: 4 + 4, not 6 + 2), as ranges of rows in order. Every block
+/// kernel tiles its rows this way.
+pub(crate) fn row_groups(
+    rows: usize,
+    most: usize,
+) -> impl ExactSizeIterator<Item = std::ops::Range<usize>> + Clone {
+    let groups = rows.div_ceil(most);
+    let (base, extra) = (rows / groups.max(1), rows % groups.max(1));
+    (0..groups).map(move |g| {
+        let start = g * base + g.min(extra);
+        start..start + base + usize::from(g < extra)
+    })
+}
+
 /// `P` panels from `q` against activation rows `j0..j1`: the inner dimension in chunks of
 /// [`CHUNK`], each chunk against every row group, partial sums kept exactly (f32) in a scratch
 /// tile between chunks. `end` is the first panel not to prefetch.
 ///
-/// Rows are split into groups as evenly as possible (8 rows: 4 + 4, not 6 + 2): a group of
-/// few rows has too few independent FMA chains to hide the FMA latency.
+/// Rows are split into groups by [`row_groups`]: a group of few rows has too few independent
+/// FMA chains to hide the FMA latency.
 ///
 /// # Safety
 /// As [`panels`], with `q + P ≤ end` panels and `j1 - j0 ≤ MAX_PASS_ROWS`.
@@ -229,8 +244,7 @@ unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>
 ) {
     let k = p.k;
     let rows = j1 - j0;
-    let groups = rows.div_ceil(M);
-    let (base, extra) = (rows / groups, rows % groups);
+    let groups = row_groups(rows, M);
     // Partial sums between chunks (every row written by the first chunk before it is read).
     let mut scratch = std::mem::MaybeUninit::<[[f32; 2 * PANEL]; MAX_PASS_ROWS]>::uninit();
     let scratch = scratch.as_mut_ptr().cast::<f32>();
@@ -257,13 +271,13 @@ unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>
             } else {
                 [std::ptr::null(); 2]
             };
-            let mut j = j0;
-            for g in 0..groups {
-                let m = base + usize::from(g < extra);
+            let count = groups.len();
+            for (g, group) in groups.clone().enumerate() {
+                let (j, m) = (j0 + group.start, group.len());
                 let pf = Prefetch {
                     next,
-                    first: g * chunk_lines / groups,
-                    lines: (g + 1) * chunk_lines / groups - g * chunk_lines / groups,
+                    first: g * chunk_lines / count,
+                    lines: (g + 1) * chunk_lines / count - g * chunk_lines / count,
                     steps: i1 - i0,
                 };
                 let sums = scratch.add((j - j0) * 2 * PANEL);
@@ -286,7 +300,6 @@ unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>
                     };
                 }
                 tile_of!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16);
-                j += m;
             }
             i0 = i1;
         }
@@ -417,6 +430,16 @@ mod x86 {
 mod tests {
     use super::*;
     use crate::cpu::test_inputs::{isas, same_bits, values};
+
+    #[test]
+    fn row_groups_split_evenly_and_in_order() {
+        let split = |rows, most| row_groups(rows, most).collect::<Vec<_>>();
+        assert_eq!(split(8, 6), vec![0..4, 4..8]);
+        assert_eq!(split(13, 4), vec![0..4, 4..7, 7..10, 10..13]);
+        assert_eq!(split(3, 8), vec![0..3]);
+        assert!(split(0, 4).is_empty());
+        assert_eq!(row_groups(16, 12).len(), 2);
+    }
     use half::{bf16, f16};
 
     fn naive<E: WeightElement>(x: &[f32], w: &[E], k: usize) -> Vec<f64> {

@@ -8,17 +8,17 @@
 //! Q4_0, Q4_1 and Q8_0 are regrouped at load into panels of 8 rows (module `qpanel`, whose
 //! kernel serves 8 outputs per instruction); the K-quants stay in the file's row-major blocks.
 //!
-//! Batch invariance of the row-major kernel: output `(j, o)` is, for each sub-block `n` of 32 in order, the exact
-//! integer dot product of the codes in 8 lanes of 4, each lane accumulated in f32 as
-//! `acc = fma(dot, s_w · d_x, acc)`, the offsets in their own chain `c = fma(m_w, d_x·Σq_x, c)`,
-//! and finally `y = ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)) + c`. Nothing there depends on
-//! the block size, the row grouping, the thread or the instruction set (the portable path
-//! computes the same operations one lane at a time), so a block's rows equal the rows computed
-//! alone, bit for bit.
+//! Batch invariance of the row-major kernel: output `(j, o)` is, for each sub-block `n` of 32
+//! in order, the exact integer dot product of the codes in 8 lanes of 4, each lane accumulated
+//! in f32 as `acc = fma(dot, s_w · d_x, acc)`, the offsets in their own chain
+//! `c = fma(m_w, d_x·Σq_x, c)`, and finally `y = ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)) + c`.
+//! Nothing there depends on the block size, the row grouping, the thread or the instruction set
+//! (the portable path computes the same operations one lane at a time), so a block's rows equal
+//! the rows computed alone, bit for bit.
 
 use super::huge_pages::HugeBuf;
 use super::isa::Isa;
-use super::matmul::ShapeError;
+use super::matmul::{ShapeError, row_groups};
 use super::pool::Pool;
 use super::q8::Q8Rows;
 use super::qformat::{Offset, QuantFormat, SUB};
@@ -298,17 +298,14 @@ unsafe fn part_units(
         return;
     }
     let panel_bytes = k / SUB * qpanel::sub_bytes(part.format);
-    let rows = acts.rows;
-    let groups = rows.div_ceil(qpanel::max_acts(part.format));
-    let (base, extra) = (rows / groups, rows % groups);
+    let groups = row_groups(acts.rows, qpanel::max_acts(part.format));
     let mut tile = [[0f32; qpanel::ROWS]; qpanel::MAX_ACTS];
     for p in units {
         let panel = &part.data[p * panel_bytes..][..panel_bytes];
         let o = part.first + p * UNIT;
         let valid = (part.rows - p * UNIT).min(UNIT);
-        let mut j = 0;
-        for g in 0..groups {
-            let count = base + usize::from(g < extra);
+        for rows in groups.clone() {
+            let (j, count) = (rows.start, rows.len());
             // SAFETY: `isa` is supported, the part is in panels, `count ≤ max_acts`.
             unsafe { qpanel::tile(isa, part.format, panel, acts, j, count, &mut tile) };
             for (i, values) in tile.iter().enumerate().take(count) {
@@ -318,7 +315,6 @@ unsafe fn part_units(
                     unsafe { std::slice::from_raw_parts_mut(y.add((j + i) * out + o), valid) };
                 dst.copy_from_slice(&values[..valid]);
             }
-            j += count;
         }
     }
 }
@@ -344,16 +340,13 @@ unsafe fn part_rows(
     y: *mut f32,
 ) {
     let row_bytes = k / part.format.block_len() * part.format.block_bytes();
-    let rows = acts.rows;
-    let groups = rows.div_ceil(MAX_ROWS);
-    let (base, extra) = (rows / groups, rows % groups);
+    let groups = row_groups(acts.rows, MAX_ROWS);
     let mut o = o0;
     while o < o1 {
         let outs = (o1 - o).min(OUTS);
         let w = &part.data[(o - part.first) * row_bytes..][..outs * row_bytes];
-        let mut j = 0;
-        for g in 0..groups {
-            let m = base + usize::from(g < extra);
+        for rows in groups.clone() {
+            let (j, m) = (rows.start, rows.len());
             let mut tile = [[0f32; MAX_ROWS]; OUTS];
             unsafe { tile_for(isa, part.format, w, row_bytes, outs, acts, j, m, &mut tile) };
             for (r, tile_r) in tile.iter().enumerate().take(outs) {
@@ -361,7 +354,6 @@ unsafe fn part_rows(
                     unsafe { *y.add((j + i) * out + o + r) = v };
                 }
             }
-            j += m;
         }
         o += outs;
     }
