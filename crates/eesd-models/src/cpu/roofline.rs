@@ -182,17 +182,8 @@ fn int8_chains(isa: Isa, steps: usize) -> usize {
 /// 12 chains of scalar 32-bit multiply-adds (the portable kernel's arithmetic).
 fn scalar_int8_chains(steps: usize) -> usize {
     let m = std::hint::black_box(3i32);
-    let mut acc: [i32; 12] = std::array::from_fn(|i| i as i32);
-    for _ in 0..steps / 64 {
-        for _ in 0..64 {
-            for a in acc.iter_mut() {
-                *a = a.wrapping_mul(m).wrapping_add(1);
-            }
-        }
-        acc = std::hint::black_box(acc);
-    }
-    std::hint::black_box(acc);
-    steps / 64 * 64 * 12 * 2
+    let acc: [i32; 12] = std::array::from_fn(|i| i as i32);
+    run_chains(steps, acc, |a| a.wrapping_mul(m).wrapping_add(1)) * 12 * 2
 }
 
 /// Sums `x` with the widest loads `isa` has (four independent accumulators).
@@ -244,11 +235,9 @@ unsafe fn sum_with<V: Lanes>(x: &[f32]) -> f32 {
     }
 }
 
-/// `N` independent chains `a ← a · m + c`, `steps` times; returns the flops done.
-///
-/// The chains start from different values and the multiplier passes through
-/// [`std::hint::black_box`], so the compiler can neither merge identical chains nor fold the
-/// loop (a C probe that skipped this measured FMA latency, not throughput).
+/// `N` independent chains `a ← a · m + c`, `steps` times ([`run_chains`]); returns the flops
+/// done. The chains start from different values and the multiplier passes through
+/// [`std::hint::black_box`].
 ///
 /// # Safety
 /// `V`'s instructions are supported.
@@ -263,22 +252,38 @@ unsafe fn chains_with<V: Lanes, const N: usize>(steps: usize) -> usize {
             let start = [i as f32; 16];
             *a = V::load(start.as_ptr());
         }
-        for _ in 0..steps / 64 {
-            for _ in 0..64 {
-                for a in acc.iter_mut() {
-                    *a = V::mul_add(*a, m, c);
-                }
-            }
-            acc = std::hint::black_box(acc);
-        }
-        std::hint::black_box(acc);
-        steps / 64 * 64 * N * V::WIDTH * 2
+        run_chains(steps, acc, |a| V::mul_add(a, m, c)) * N * V::WIDTH * 2
     }
+}
+
+/// Runs the chains `acc` (independent values of a register type), each `a ← step(a)`, for
+/// `steps` steps rounded down to a multiple of 64; returns the steps run per chain.
+///
+/// The chains pass through [`std::hint::black_box`] every 64 steps, so the compiler can
+/// neither merge identical chains nor fold the loop (a C probe that skipped this measured
+/// latency, not throughput). Inlined into each probe, so `step` runs with the probe's
+/// instruction set.
+#[inline(always)]
+fn run_chains<T: Copy, const N: usize>(
+    steps: usize,
+    mut acc: [T; N],
+    step: impl Fn(T) -> T,
+) -> usize {
+    for _ in 0..steps / 64 {
+        for _ in 0..64 {
+            for a in acc.iter_mut() {
+                *a = step(*a);
+            }
+        }
+        acc = std::hint::black_box(acc);
+    }
+    std::hint::black_box(acc);
+    steps / 64 * 64
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{chains_with, sum_with};
+    use super::{chains_with, run_chains, sum_with};
     use std::arch::x86_64::{__m256, __m512};
 
     #[target_feature(enable = "avx2,fma")]
@@ -303,17 +308,8 @@ mod x86 {
     pub(super) unsafe fn maddubs_chains(steps: usize) -> usize {
         use std::arch::x86_64::*;
         let m = _mm256_set1_epi8(std::hint::black_box(3));
-        let mut acc: [__m256i; 12] = std::array::from_fn(|i| _mm256_set1_epi8(i as i8));
-        for _ in 0..steps / 64 {
-            for _ in 0..64 {
-                for a in acc.iter_mut() {
-                    *a = _mm256_maddubs_epi16(*a, m);
-                }
-            }
-            acc = std::hint::black_box(acc);
-        }
-        std::hint::black_box(acc);
-        steps / 64 * 64 * 12 * 64
+        let acc: [__m256i; 12] = std::array::from_fn(|i| _mm256_set1_epi8(i as i8));
+        run_chains(steps, acc, |a| _mm256_maddubs_epi16(a, m)) * 12 * 64
     }
 
     /// 24 chains of 16 lanes.
