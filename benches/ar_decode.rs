@@ -78,8 +78,8 @@ fn main() -> Result<()> {
             };
             generator.generate(&warm, &warm_config, |_| ControlFlow::Continue(()))?;
             let (mut tokens, mut seconds, mut decode_seconds) = (0usize, 0f64, 0f64);
-            // The bytes, flops and int8 ops of the decoding steps (every token after the prefill's first),
-            // for their roofline time.
+            // The bytes, flops and int8 ops of the decoding steps (every token after the
+            // prefill's first), for their roofline time.
             let mut steps = Vec::new();
             for p in PROMPTS {
                 let ids = lm.chat_prompt(p)?;
