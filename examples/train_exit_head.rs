@@ -226,6 +226,16 @@ fn main() -> Result<()> {
     };
     let lengths: Vec<usize> = train.iter().map(|s| s.tokens.len()).collect();
     let batches = pack(&lengths, args.tokens_per_step);
+    // Training tokens seen after `step` steps (batches repeat in order, so this is exact for a
+    // resumed run too): the x axis of `eval_exit_head --svg`.
+    let batch_tokens: Vec<usize> = batches
+        .iter()
+        .map(|b| b.iter().map(|&i| lengths[i]).sum())
+        .collect();
+    let tokens_seen = |step: usize| -> usize {
+        let (full, rest) = (step / batch_tokens.len(), step % batch_tokens.len());
+        full * batch_tokens.iter().sum::<usize>() + batch_tokens[..rest].iter().sum::<usize>()
+    };
     eprintln!(
         "{} training sequences in {} packed batches of at most {} tokens",
         train.len(),
@@ -291,8 +301,9 @@ fn main() -> Result<()> {
         if done % args.eval_every == 0 && done < config.total_steps {
             let metrics = distiller.evaluate(held_out, k)?;
             bar.suspend(|| eprintln!("step {done}: {metrics:?}"));
-            history
-                .push(serde_json::json!({ "step": done, "train_loss": smooth, "eval": metrics }));
+            history.push(serde_json::json!({
+                "step": done, "tokens_seen": tokens_seen(done), "train_loss": smooth, "eval": metrics,
+            }));
         }
         if args.save_every > 0 && done % args.save_every == 0 && done < config.total_steps {
             save(&distiller, &history)?;
@@ -304,7 +315,9 @@ fn main() -> Result<()> {
     // A resumed run that had already finished has its final entry.
     if history.last().map(|h| h["step"] != total).unwrap_or(true) {
         eprintln!("step {total}: {after:?}");
-        history.push(serde_json::json!({ "step": total, "train_loss": running, "eval": after }));
+        history.push(serde_json::json!({
+            "step": total, "tokens_seen": tokens_seen(total), "train_loss": running, "eval": after,
+        }));
     }
     save(&distiller, &history)?;
     let head = distiller.into_head();

@@ -14,6 +14,7 @@
 //! every method's tokens are compared with AR's: `divergences` must be 0.
 
 mod oracle;
+#[path = "../common/plots.rs"]
 mod plots;
 
 use std::collections::BTreeMap;

@@ -74,7 +74,8 @@ fn model_err<E: std::error::Error + Send + Sync + 'static>(e: E) -> CoreError {
     CoreError::model(e)
 }
 
-fn host(t: Tensor<2>) -> Result<Vec<f32>> {
+/// A tensor's values on the host, as f32.
+pub(crate) fn host(t: Tensor<2>) -> Result<Vec<f32>> {
     t.into_data()
         .convert::<f32>()
         .try_into_vec::<f32>()

@@ -7,6 +7,7 @@
 //! - [`accept`]: the verification rules (greedy prefix match, speculative sampling, trees).
 //! - [`Drafter`], [`drafters`] and [`tree`]: draft trees from Token Recycling, context lookup
 //!   and their fusion, verified in one pass.
+//! - [`head_eval`]: teacher-forced agreement of exit heads and the acceptance it implies.
 //! - [`sampling`]: temperature / top-k / top-p distributions and a seeded sampler.
 //! - [`backend`]: picking a burn device by name (`flex`, `tch`, `tch-cuda`, `cuda`).
 
@@ -19,6 +20,7 @@ pub mod drafters;
 pub mod error;
 pub mod generate;
 pub mod generator;
+pub mod head_eval;
 pub mod model;
 pub mod sampling;
 pub mod tree;

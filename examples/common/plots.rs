@@ -1,4 +1,6 @@
-//! SVG plots of a Spec-Bench run (plotters, no font files needed).
+//! SVG plots for the examples (plotters, no font files needed): bars for `spec_bench`, lines for
+//! `eval_exit_head`. Each example includes this file and uses part of it.
+#![allow(dead_code)]
 
 use std::path::Path;
 
@@ -75,4 +77,56 @@ pub fn fractions(histogram: &[usize], len: usize) -> Vec<f64> {
     (0..len)
         .map(|i| histogram.get(i).copied().unwrap_or(0) as f64 / total)
         .collect()
+}
+
+/// One line with point markers per series (x ascending), with a legend.
+pub fn lines(
+    path: &Path,
+    title: &str,
+    x_desc: &str,
+    y_desc: &str,
+    series: &[(String, Vec<(f64, f64)>)],
+) -> Result<()> {
+    let err = |e: &dyn std::fmt::Display| anyhow!("{}: {e}", path.display());
+    let points = || series.iter().flat_map(|(_, p)| p.iter().copied());
+    let x_max = points().map(|p| p.0).fold(0f64, f64::max).max(1e-9) * 1.05;
+    let y_max = points().map(|p| p.1).fold(0f64, f64::max).max(1e-9) * 1.15;
+    let root = SVGBackend::new(path, (800, 480)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(50)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0f64..x_max, 0f64..y_max)
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .y_desc(y_desc)
+        .draw()
+        .map_err(|e| err(&e))?;
+    for (s, (name, values)) in series.iter().enumerate() {
+        let color = Palette99::pick(s).to_rgba();
+        chart
+            .draw_series(LineSeries::new(
+                values.iter().copied(),
+                color.stroke_width(2),
+            ))
+            .map_err(|e| err(&e))?
+            .label(name.as_str())
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 14, y)], color.stroke_width(2)));
+        chart
+            .draw_series(values.iter().map(|&p| Circle::new(p, 3, color.filled())))
+            .map_err(|e| err(&e))?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::LowerRight)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
 }

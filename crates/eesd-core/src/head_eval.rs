@@ -1,0 +1,228 @@
+//! Teacher-forced evaluation of exit heads: how often their drafts would be accepted.
+//!
+//! On a sequence, the full model's argmax at each position is the token greedy verification
+//! accepts there. Running layers `[0, N)` and the head on the true prefix (teacher forcing) gives
+//! the *rank* of that token among the head's draft logits at every position. A correct draft
+//! leaves the drafter exactly on the true prefix (blocks equal their rows bit for bit), so the
+//! ranks decide how far a greedy chain, or a tree holding the head's top-`w` tokens at every
+//! node, drafted from any position would be accepted: no generation needs to run per head.
+//! One teacher pass serves several heads at different exit layers.
+
+use std::ops::Range;
+
+use burn::tensor::Tensor;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{CoreError, Result};
+use crate::generator::host;
+use crate::model::{DraftHead, LayeredModel};
+
+/// Per position, the rank of the full model's argmax among a head's draft logits (0 = the
+/// head's own argmax); `None` when the token is outside the head's draft vocabulary.
+pub type Ranks = Vec<Option<u32>>;
+
+/// Ranks of the full model's greedy tokens under each of `heads` (head, exit layer), for the
+/// positions `score` of `tokens` (the position `i` predicts the token after `tokens[i]`; e.g. the
+/// last prompt position onwards for an answer). Runs the model once over `tokens` with a fresh
+/// cache, stopping at every exit layer on the way, so heads at several layers share one pass.
+pub fn teacher_forced_ranks<M: LayeredModel, H: DraftHead<M>>(
+    model: &M,
+    heads: &[(&H, usize)],
+    tokens: &[u32],
+    score: Range<usize>,
+) -> Result<Vec<Ranks>> {
+    let layers = model.num_layers();
+    if score.start > score.end || score.end > tokens.len() {
+        return Err(CoreError::InvalidConfig(format!(
+            "scored positions {score:?} of a sequence of {} tokens",
+            tokens.len()
+        )));
+    }
+    if let Some((_, n)) = heads.iter().find(|(_, n)| *n == 0 || *n >= layers) {
+        return Err(CoreError::InvalidConfig(format!(
+            "exit layer {n} of a model of {layers} layers (must be in 1..{layers})"
+        )));
+    }
+    if tokens.len() > model.context_length() {
+        return Err(CoreError::PromptTooLong {
+            prompt: tokens.len(),
+            context: model.context_length(),
+        });
+    }
+    if score.is_empty() {
+        return Ok(vec![Vec::new(); heads.len()]);
+    }
+    let mut order: Vec<usize> = (0..heads.len()).collect();
+    order.sort_by_key(|&h| heads[h].1);
+    let mut cache = model.new_cache();
+    let mut hidden = model.embed(tokens).map_err(CoreError::model)?;
+    let mut done = 0;
+    let mut draft = vec![None; heads.len()];
+    for &h in &order {
+        let (head, exit) = heads[h];
+        if exit > done {
+            hidden = model
+                .forward_layers(hidden, done..exit, &mut cache)
+                .map_err(CoreError::model)?;
+            done = exit;
+        }
+        let mut head_cache = head.new_cache(model);
+        let out = head
+            .draft_logits(model, hidden.clone(), &mut head_cache)
+            .map_err(CoreError::model)?;
+        let (logits, n) = rows_of(out.logits, &score)?;
+        draft[h] = Some((logits, n, out.token_ids));
+    }
+    let top = model
+        .forward_layers(hidden, done..layers, &mut cache)
+        .map_err(CoreError::model)?;
+    let (full, vocab) = rows_of(model.logits(top), &score)?;
+    let greedy: Vec<usize> = full.chunks(vocab).map(crate::argmax).collect();
+    Ok(draft
+        .into_iter()
+        .flatten()
+        .map(|(logits, n, ids)| {
+            // Column of each vocabulary token in the head's logits.
+            let mut column: Vec<Option<usize>> = vec![None; vocab];
+            match &ids {
+                Some(ids) => ids.iter().enumerate().for_each(|(c, &t)| {
+                    if let Some(slot) = column.get_mut(t as usize) {
+                        *slot = Some(c);
+                    }
+                }),
+                None => column
+                    .iter_mut()
+                    .take(n)
+                    .enumerate()
+                    .for_each(|(c, s)| *s = Some(c)),
+            }
+            let column = |g: usize| column[g];
+            logits
+                .chunks(n)
+                .zip(&greedy)
+                .map(|(row, &g)| column(g).map(|c| rank_of(row, c)))
+                .collect()
+        })
+        .collect())
+}
+
+/// The rows `score` of `[t, n]` logits on the host, and the row width.
+fn rows_of(logits: Tensor<2>, score: &Range<usize>) -> Result<(Vec<f32>, usize)> {
+    let [_, n] = logits.dims();
+    let rows = logits.narrow(0, score.start, score.len());
+    Ok((host(rows)?, n))
+}
+
+/// Rank of column `c` in `row` under the order greedy decoding uses: larger first, ties to the
+/// lower index ([`crate::argmax`] picks rank 0).
+fn rank_of(row: &[f32], c: usize) -> u32 {
+    let v = row[c];
+    let above = row.iter().filter(|&&x| x > v).count();
+    let tied_before = row[..c].iter().filter(|&&x| x == v).count();
+    (above + tied_before) as u32
+}
+
+/// Ranks collected over many sequences, and the acceptance they imply.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Agreement {
+    sequences: Vec<Ranks>,
+}
+
+impl Agreement {
+    /// Adds one sequence's ranks (consecutive positions).
+    pub fn push(&mut self, ranks: Ranks) {
+        self.sequences.push(ranks);
+    }
+
+    /// Adds all of `other`'s sequences.
+    pub fn extend(&mut self, other: &Agreement) {
+        self.sequences.extend(other.sequences.iter().cloned());
+    }
+
+    /// Positions scored.
+    pub fn positions(&self) -> usize {
+        self.sequences.iter().map(Vec::len).sum()
+    }
+
+    /// Fraction of positions whose greedy token is among the head's top `k` (`k = 1`: the
+    /// head's first draft is accepted).
+    pub fn top_k(&self, k: u32) -> f64 {
+        let hits = self
+            .sequences
+            .iter()
+            .flatten()
+            .filter(|r| r.is_some_and(|r| r < k))
+            .count();
+        hits as f64 / self.positions().max(1) as f64
+    }
+
+    /// Mean tokens per verification round (the accepted drafts + the model's own token) of a
+    /// tree holding the head's top `width` tokens at every node down to `depth` levels, drafted
+    /// from each scored position in turn; `width = 1` is a chain of `depth` drafts. The run of
+    /// accepted drafts also ends where the sequence does, so long drafts are slightly
+    /// undercounted near the end.
+    pub fn tokens_per_round(&self, width: u32, depth: usize) -> f64 {
+        let mut total = 0usize;
+        for ranks in &self.sequences {
+            // run[i]: consecutive positions from i whose greedy token is in the top `width`.
+            let mut run = 0usize;
+            for r in ranks.iter().rev() {
+                run = if r.is_some_and(|r| r < width) {
+                    run + 1
+                } else {
+                    0
+                };
+                total += 1 + run.min(depth);
+            }
+        }
+        total as f64 / self.positions().max(1) as f64
+    }
+
+    /// Nodes of the full tree [`Agreement::tokens_per_round`] assumes: `width + width² + …`
+    /// down to `depth` levels.
+    pub fn tree_nodes(width: u32, depth: usize) -> u64 {
+        (1..=depth as u32)
+            .map(|d| u64::from(width).saturating_pow(d))
+            .fold(0u64, u64::saturating_add)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rank_orders_like_argmax() {
+        let row = [0.5, 2.0, 2.0, -1.0, 3.0];
+        assert_eq!(rank_of(&row, 4), 0);
+        assert_eq!(rank_of(&row, 1), 1);
+        assert_eq!(rank_of(&row, 2), 2);
+        assert_eq!(rank_of(&row, 0), 3);
+        assert_eq!(rank_of(&row, 3), 4);
+        let tied = [1.0, 1.0];
+        assert_eq!(rank_of(&tied, crate::argmax(&tied)), 0);
+    }
+
+    #[test]
+    fn acceptance_from_ranks() {
+        let mut a = Agreement::default();
+        // Hits of the top 1: positions 0, 1 and 4; of the top 2 also 2.
+        a.push(vec![Some(0), Some(0), Some(1), None, Some(0)]);
+        assert_eq!(a.positions(), 5);
+        assert!((a.top_k(1) - 0.6).abs() < 1e-12);
+        assert!((a.top_k(2) - 0.8).abs() < 1e-12);
+        // Chains of 1 draft: 1 + hit at each position.
+        assert!((a.tokens_per_round(1, 1) - 1.6).abs() < 1e-12);
+        // Chains of 4 drafts: runs 2, 1, 0, 0, 1.
+        assert!((a.tokens_per_round(1, 4) - (3.0 + 2.0 + 1.0 + 1.0 + 2.0) / 5.0).abs() < 1e-12);
+        // Top-2 tree of depth 2: runs 3→2, 2, 1, 0, 1.
+        assert!((a.tokens_per_round(2, 2) - (3.0 + 3.0 + 2.0 + 1.0 + 2.0) / 5.0).abs() < 1e-12);
+        let mut b = Agreement::default();
+        b.extend(&a);
+        b.push(vec![None]);
+        assert_eq!(b.positions(), 6);
+        assert!((b.top_k(1) - 0.5).abs() < 1e-12);
+        assert_eq!(Agreement::tree_nodes(2, 3), 14);
+        assert_eq!(Agreement::tree_nodes(1, 4), 4);
+    }
+}

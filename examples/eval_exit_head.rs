@@ -1,0 +1,309 @@
+//! Evaluates exit heads the way speculation uses them: teacher-forced on the model's own greedy
+//! answers to Spec-Bench questions (never trained on), per head and per category: how often
+//! the full model's token is the head's top 1 / top k, and the tokens per verification round
+//! that a greedy chain of k drafts or a tree of the head's top-w tokens would reach.
+//!
+//! ```text
+//! cargo run --release --example eval_exit_head -- --heads shipped,norm@6,norm@12 \
+//!     --per-category 5 [--json] [--svg agreement.svg]
+//! ```
+//! HEAD is `shipped` (the head in `assets/heads`), a checkpoint prefix, or `norm@LAYER` (the
+//! parameter-free logit lens). All heads share one teacher pass per answer
+//! (`eesd::core::head_eval`), and the replay is exact: a test checks it against the generator's
+//! own accepted counts. `--svg` plots each trained head's held-out agreement against training
+//! tokens seen, from the history in its checkpoint.
+
+#[path = "common/plots.rs"]
+mod plots;
+
+use std::collections::BTreeMap;
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use eesd::SHIPPED_HEAD;
+use eesd::core::head_eval::{Agreement, teacher_forced_ranks};
+use eesd::core::{Backend, GenerationConfig, Generator};
+use eesd::models::{
+    AnyHead, HeadMetadata, LoadOptions, LoadedModel, NormHead, WeightDType, fetch, file_sha256,
+    load_layer_head,
+};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Deserialize;
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Heads, comma-separated: `shipped`, a checkpoint prefix, or `norm@LAYER`.
+    #[arg(long, value_delimiter = ',', default_value = "shipped")]
+    heads: Vec<String>,
+    /// Spec-Bench questions (jsonl with question_id, category, turns).
+    #[arg(long, default_value = "../shared/data/spec_bench.jsonl")]
+    questions: PathBuf,
+    /// Questions per category (the first ones of each).
+    #[arg(long, default_value_t = 5)]
+    per_category: usize,
+    /// Length of the greedy answers the heads are scored on.
+    #[arg(long, default_value_t = 128)]
+    max_new_tokens: usize,
+    /// Weights: native (the file's quantized blocks), f32, f16 or bf16.
+    #[arg(long, default_value = "native")]
+    dtype: WeightDType,
+    /// Model file or directory (default: the cached SmolLM2, fetched if absent).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Backend: flex, tch, tch-cuda, cuda or vulkan.
+    #[arg(long, default_value = "flex")]
+    device: Backend,
+    /// Print one JSON object instead of tables.
+    #[arg(long)]
+    json: bool,
+    /// Write an SVG of held-out agreement against training tokens seen (trained heads).
+    #[arg(long)]
+    svg: Option<PathBuf>,
+}
+
+#[derive(Deserialize)]
+struct Question {
+    category: String,
+    turns: Vec<String>,
+}
+
+/// A head to evaluate, its exit layer and, for a trained head, its checkpoint metadata.
+struct Candidate {
+    name: String,
+    head: AnyHead,
+    exit_layer: usize,
+    meta: Option<HeadMetadata>,
+}
+
+fn parse_head(spec: &str, lm: &LoadedModel, sha: &str) -> Result<Candidate> {
+    if let Some(layer) = spec.strip_prefix("norm@") {
+        let exit_layer = layer
+            .parse()
+            .with_context(|| format!("exit layer of head `{spec}`"))?;
+        return Ok(Candidate {
+            name: spec.into(),
+            head: AnyHead::Norm(NormHead::new()),
+            exit_layer,
+            meta: None,
+        });
+    }
+    let prefix = if spec == "shipped" {
+        SHIPPED_HEAD
+    } else {
+        spec
+    };
+    let (head, meta) = load_layer_head(Path::new(prefix), &lm.model, Some(sha))
+        .with_context(|| format!("head `{spec}`"))?;
+    Ok(Candidate {
+        name: spec.into(),
+        head: AnyHead::Layer(Box::new(head)),
+        exit_layer: meta.exit_layer,
+        meta: Some(meta),
+    })
+}
+
+/// Chain lengths and tree shapes (width, depth) reported.
+const CHAINS: [usize; 4] = [1, 2, 4, 8];
+const TREES: [(u32, usize); 2] = [(2, 3), (4, 2)];
+
+fn summary(a: &Agreement) -> serde_json::Value {
+    let chain: serde_json::Map<String, serde_json::Value> = CHAINS
+        .iter()
+        .map(|&k| (k.to_string(), a.tokens_per_round(1, k).into()))
+        .collect();
+    let trees: Vec<serde_json::Value> = TREES
+        .iter()
+        .map(|&(w, d)| {
+            serde_json::json!({
+                "width": w, "depth": d, "nodes": Agreement::tree_nodes(w, d),
+                "tokens_per_round": a.tokens_per_round(w, d),
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "positions": a.positions(),
+        "top1": a.top_k(1), "top2": a.top_k(2), "top4": a.top_k(4), "top8": a.top_k(8),
+        "chain_tokens_per_round": chain,
+        "tree_tokens_per_round": trees,
+    })
+}
+
+/// Held-out agreement against tokens seen, from a checkpoint's training history (entries
+/// written before tokens were recorded are skipped).
+fn history(meta: &HeadMetadata) -> Vec<(f64, f64)> {
+    let entries = meta.metrics["history"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let mut points: Vec<(f64, f64)> = entries
+        .iter()
+        .filter_map(|h| {
+            Some((
+                h["tokens_seen"].as_f64()?,
+                h["eval"]["top1_agreement"].as_f64()?,
+            ))
+        })
+        .collect();
+    // The untrained start, when the curve has points at all.
+    if let Some(before) = meta.metrics["before"]["top1_agreement"].as_f64()
+        && !points.is_empty()
+    {
+        points.insert(0, (0.0, before));
+    }
+    points
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if args.heads.is_empty() {
+        bail!("--heads names no head");
+    }
+    let text = std::fs::read_to_string(&args.questions)
+        .with_context(|| format!("{}", args.questions.display()))?;
+    let all: Vec<Question> = text
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("{}", args.questions.display()))?;
+    let mut per_cat: BTreeMap<&str, usize> = BTreeMap::new();
+    let questions: Vec<&Question> = all
+        .iter()
+        .filter(|q| {
+            let n = per_cat.entry(&q.category).or_default();
+            *n += 1;
+            *n <= args.per_category
+        })
+        .collect();
+    let device = args.device.device()?;
+    let path = fetch::resolve_model(args.model.as_deref())?;
+    let lm = LoadedModel::load(
+        &path,
+        &device,
+        &LoadOptions {
+            dtype: args.dtype,
+            context_length: Some(4096),
+        },
+    )?;
+    let sha = file_sha256(&path)?;
+    let candidates: Vec<Candidate> = args
+        .heads
+        .iter()
+        .map(|h| parse_head(h, &lm, &sha))
+        .collect::<Result<_>>()?;
+    let heads: Vec<(&AnyHead, usize)> =
+        candidates.iter().map(|c| (&c.head, c.exit_layer)).collect();
+    let eos: Vec<u32> = lm.tokenizer.eos_token_id().into_iter().collect();
+    let config = GenerationConfig {
+        max_new_tokens: args.max_new_tokens,
+        stop_tokens: eos,
+        ..Default::default()
+    };
+
+    // agreement[head][category]; "overall" collects every question.
+    let mut agreement: Vec<BTreeMap<String, Agreement>> = vec![BTreeMap::new(); candidates.len()];
+    let bar = ProgressBar::new(questions.len() as u64);
+    bar.set_style(ProgressStyle::with_template(
+        "{bar:40} {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]",
+    )?);
+    let mut ar = Generator::new(&lm.model);
+    for q in &questions {
+        bar.set_message(q.category.clone());
+        let prompt = lm.chat_prompt(&q.turns[0])?;
+        let answer = ar.generate(&prompt, &config, |_| ControlFlow::Continue(()))?;
+        if answer.tokens.is_empty() {
+            bar.inc(1);
+            continue;
+        }
+        let p = prompt.len();
+        let tokens = [prompt, answer.tokens.clone()].concat();
+        // The positions that predict the answer's tokens.
+        let score = p - 1..tokens.len() - 1;
+        let ranks = teacher_forced_ranks(&lm.model, &heads, &tokens, score)?;
+        for (per_head, r) in agreement.iter_mut().zip(ranks) {
+            for key in [q.category.as_str(), "overall"] {
+                per_head.entry(key.into()).or_default().push(r.clone());
+            }
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+
+    let results: Vec<serde_json::Value> = candidates
+        .iter()
+        .zip(&agreement)
+        .map(|(c, per_cat)| {
+            let categories: serde_json::Map<String, serde_json::Value> = per_cat
+                .iter()
+                .map(|(k, a)| (k.clone(), summary(a)))
+                .collect();
+            serde_json::json!({
+                "head": c.name, "exit_layer": c.exit_layer, "categories": categories,
+                "tokens_seen": c.meta.as_ref().and_then(|m| history(m).last().map(|p| p.0)),
+            })
+        })
+        .collect();
+    if let Some(svg) = &args.svg {
+        let series: Vec<(String, Vec<(f64, f64)>)> = candidates
+            .iter()
+            .filter_map(|c| {
+                let points = history(c.meta.as_ref()?);
+                (!points.is_empty())
+                    .then(|| (format!("{} (layer {})", c.name, c.exit_layer), points))
+            })
+            .collect();
+        if series.is_empty() {
+            eprintln!("no head records tokens seen in its training history: no plot written");
+        } else {
+            plots::lines(
+                svg,
+                "Exit head: held-out top-1 agreement while training",
+                "training tokens seen",
+                "top-1 agreement",
+                &series,
+            )?;
+        }
+    }
+    let report = serde_json::json!({
+        "model": path.display().to_string(), "dtype": format!("{:?}", args.dtype),
+        "questions": questions.len(), "max_new_tokens": args.max_new_tokens, "heads": results,
+    });
+    if args.json {
+        println!("{report}");
+        return Ok(());
+    }
+    for (c, per_cat) in candidates.iter().zip(&agreement) {
+        println!("\n## {} (exit layer {})\n", c.name, c.exit_layer);
+        let trees: String = TREES
+            .iter()
+            .map(|&(w, d)| format!(" tree {w}^{d} ({} nodes) |", Agreement::tree_nodes(w, d)))
+            .collect();
+        let chains: String = CHAINS.iter().map(|k| format!(" chain {k} |")).collect();
+        println!("| category | positions | top-1 | top-4 |{chains}{trees}");
+        println!(
+            "|---|---|---|---|{}",
+            "---|".repeat(CHAINS.len() + TREES.len())
+        );
+        // Categories alphabetically, the whole set last.
+        let rows = per_cat.iter().filter(|(c, _)| *c != "overall");
+        for (cat, a) in rows.chain(per_cat.get_key_value("overall")) {
+            let chains: String = CHAINS
+                .iter()
+                .map(|&k| format!(" {:.2} |", a.tokens_per_round(1, k)))
+                .collect();
+            let trees: String = TREES
+                .iter()
+                .map(|&(w, d)| format!(" {:.2} |", a.tokens_per_round(w, d)))
+                .collect();
+            println!(
+                "| {cat} | {} | {:.1}% | {:.1}% |{chains}{trees}",
+                a.positions(),
+                100.0 * a.top_k(1),
+                100.0 * a.top_k(4)
+            );
+        }
+    }
+    println!("\n(chain k / tree w^d: tokens per verification round, drafts accepted + 1)");
+    Ok(())
+}
