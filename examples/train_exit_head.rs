@@ -18,14 +18,14 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::Parser;
 use eesd::core::{Backend, DraftHead};
-use eesd::models::{HeadKind, LayerHead, LoadOptions, LoadedModel, VocabSubset, fetch};
+use eesd::models::{HeadKind, LayerHead, Llama, LoadOptions, LoadedModel, VocabSubset, fetch};
 use eesd::train::checkpoint::FORMAT_VERSION;
 use eesd::train::{
-    AnswerConfig, DistillConfig, Distiller, EvalMetrics, HeadMetadata, Sequence, TrainError,
-    file_sha256, generate_answers, pack, recover_jsonl, save_layer_head, state_path,
+    AnswerConfig, DistillConfig, Distiller, EvalMetrics, HeadMetadata, Sequence, Teacher,
+    TrainError, file_sha256, generate_answers, pack, recover_jsonl, save_layer_head, state_path,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -37,13 +37,14 @@ struct Args {
     /// Backend: flex, tch, tch-cuda, cuda or vulkan.
     #[arg(long, default_value = "flex")]
     device: Backend,
-    /// Exit layer N.
-    #[arg(long, default_value_t = 6)]
-    exit_layer: usize,
+    /// Exit layer N; several (`3,6,9,12`) train one head per layer from one shared teacher
+    /// pass per step, each written to `OUT-lN` (one layer: `OUT`).
+    #[arg(long, value_delimiter = ',', default_value = "6")]
+    exit_layer: Vec<usize>,
     /// Head kind: `layer` (EESD, a whole decoder layer) or `adapter` (Kangaroo, attention only).
     #[arg(long, default_value = "layer")]
     head: HeadKind,
-    /// Model layer whose weights initialise the head's layer (default: N).
+    /// Model layer whose weights initialise each head's layer (default: its N).
     #[arg(long)]
     init_layer: Option<usize>,
     /// Draft vocabulary size (0 = full vocabulary).
@@ -242,109 +243,211 @@ fn main() -> Result<()> {
         batches.len(),
         args.tokens_per_step
     );
-    let init = args.init_layer.unwrap_or(args.exit_layer);
     let k = 4;
-    // A resumed run gets back its configuration, evaluation history and time so far.
-    // `--resume` with no saved state yet (a run killed before its first save) starts over.
-    let saved = args.resume && state_path(&args.out).exists();
-    if args.resume && !saved {
-        eprintln!(
-            "no saved state at {}: starting the training from step 0",
-            state_path(&args.out).display()
-        );
+    let mut layers = args.exit_layer.clone();
+    layers.sort_unstable();
+    layers.dedup();
+    if layers.is_empty() {
+        bail!("--exit-layer names no layer");
     }
-    let (mut distiller, before, mut history, seconds_before) = if saved {
-        let (d, extra) = Distiller::resume(m, &args.out)?;
-        eprintln!(
-            "resuming at step {} of {}",
-            d.step(),
-            d.config().total_steps
-        );
-        let before: EvalMetrics = serde_json::from_value(extra["before"].clone())?;
-        let history: Vec<serde_json::Value> = serde_json::from_value(extra["history"].clone())?;
-        let seconds = extra["seconds"].as_f64().unwrap_or(0.0);
-        (d, before, history, seconds)
-    } else {
-        let head = LayerHead::from_model(m, args.head, args.exit_layer, init, subset.as_ref())?;
-        let d = Distiller::new(m, head, config)?;
-        let before = d.evaluate(held_out, k)?;
-        (d, before, Vec::new(), 0.0)
-    };
-    let config = distiller.config().clone();
-    eprintln!("before: {before:?}");
-    let bar = ProgressBar::new(config.total_steps as u64);
+    let mut runs = layers
+        .iter()
+        .map(|&n| {
+            let out = if layers.len() == 1 {
+                args.out.clone()
+            } else {
+                let stem = args.out.file_name().unwrap_or_default().to_string_lossy();
+                args.out.with_file_name(format!("{stem}-l{n}"))
+            };
+            let init = args.init_layer.unwrap_or(n);
+            HeadRun::start(
+                &args,
+                m,
+                n,
+                init,
+                out,
+                subset.as_ref(),
+                &config,
+                held_out,
+                k,
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let total = runs.iter().map(|r| r.total()).max().unwrap_or(0);
+    let bar = ProgressBar::new(total as u64);
     bar.set_style(ProgressStyle::with_template(
         "training {bar:40} {pos}/{len} loss {msg} [{elapsed_precise} < {eta_precise}]",
     )?);
-    bar.set_position(distiller.step() as u64);
-    let mut running: Option<f64> = None;
-    let save = |d: &Distiller, history: &[serde_json::Value]| -> Result<()> {
-        let extra = serde_json::json!({
-            "before": before, "history": history,
-            "seconds": seconds_before + started.elapsed().as_secs_f64(),
-        });
-        Ok(d.save_state(&args.out, extra)?)
-    };
-    while distiller.step() < config.total_steps {
-        let step = distiller.step();
+    // Heads saved at different steps (a run killed between their saves) catch up one by one;
+    // heads at the same step share the frozen model's pass over the step's batch.
+    while let Some(step) = runs
+        .iter()
+        .filter(|r| r.distiller.step() < r.total())
+        .map(|r| r.distiller.step())
+        .min()
+    {
+        bar.set_position(step as u64);
         let batch: Vec<&[u32]> = batches[step % batches.len()]
             .iter()
             .map(|&i| train[i].tokens.as_slice())
             .collect();
-        let loss = distiller.train_step(&batch)?;
-        let smooth = running.map_or(loss, |r| 0.95 * r + 0.05 * loss);
-        running = Some(smooth);
-        bar.set_message(format!("{smooth:.3}"));
-        bar.inc(1);
-        // The last step is evaluated and saved once, below.
-        let done = step + 1;
-        if done % args.eval_every == 0 && done < config.total_steps {
-            let metrics = distiller.evaluate(held_out, k)?;
-            bar.suspend(|| eprintln!("step {done}: {metrics:?}"));
-            history.push(serde_json::json!({
-                "step": done, "tokens_seen": tokens_seen(done), "train_loss": smooth, "eval": metrics,
-            }));
+        let due: Vec<usize> = runs
+            .iter()
+            .filter(|r| r.distiller.step() == step && step < r.total())
+            .map(|r| r.exit_layer)
+            .collect();
+        let teacher = Teacher::new(m, &batch, &due)?;
+        for run in runs.iter_mut().filter(|r| due.contains(&r.exit_layer)) {
+            let loss = run.distiller.train_step_on(&teacher)?;
+            let smooth = run.running.map_or(loss, |r| 0.95 * r + 0.05 * loss);
+            run.running = Some(smooth);
+            // The last step is evaluated and saved once, below.
+            let done = step + 1;
+            if done % args.eval_every == 0 && done < run.total() {
+                let metrics = run.distiller.evaluate(held_out, k)?;
+                bar.suspend(|| eprintln!("layer {} step {done}: {metrics:?}", run.exit_layer));
+                run.history.push(serde_json::json!({
+                    "step": done, "tokens_seen": tokens_seen(done), "train_loss": smooth, "eval": metrics,
+                }));
+            }
+            if args.save_every > 0 && done % args.save_every == 0 && done < run.total() {
+                run.save(started)?;
+            }
         }
-        if args.save_every > 0 && done % args.save_every == 0 && done < config.total_steps {
-            save(&distiller, &history)?;
-        }
+        let losses: Vec<String> = runs
+            .iter()
+            .filter_map(|r| Some(format!("l{} {:.3}", r.exit_layer, r.running?)))
+            .collect();
+        bar.set_message(losses.join(" "));
     }
     bar.finish();
-    let after = distiller.evaluate(held_out, k)?;
-    let total = config.total_steps;
-    // A resumed run that had already finished has its final entry.
-    if history.last().map(|h| h["step"] != total).unwrap_or(true) {
-        eprintln!("step {total}: {after:?}");
-        history.push(serde_json::json!({
-            "step": total, "tokens_seen": tokens_seen(total), "train_loss": running, "eval": after,
-        }));
-    }
-    save(&distiller, &history)?;
-    let head = distiller.into_head();
 
-    // (4) Checkpoint.
-    let meta = HeadMetadata {
-        format_version: FORMAT_VERSION,
-        head_kind: head.kind().name().into(),
-        base_model_sha256: file_sha256(&path)?,
-        base_model_name: path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default(),
-        exit_layer: DraftHead::exit_layer(&head).unwrap_or(args.exit_layer),
-        hidden_size: m.config().hidden_size,
-        vocab_subset: head.token_ids().map(<[u32]>::to_vec),
-        training: serde_json::json!({
-            "distill": config, "init_layer": init, "prompts": args.num_prompts, "sequences": data.len(),
-            "held_out": held, "answer_tokens": args.answer_tokens, "tokens_per_step": args.tokens_per_step, "loss": format!("KL(teacher || student) over the draft vocabulary + {} x CE(greedy token)", args.ce_weight),
-            "generation_seconds": generation_seconds, "total_seconds": seconds_before + started.elapsed().as_secs_f64(),
-        }),
-        metrics: serde_json::json!({ "before": before, "after": after, "history": history }),
-    };
-    save_layer_head(&args.out, &head, &meta, true)?;
-    println!(
-        "{}",
-        serde_json::json!({ "out": args.out.display().to_string(), "before": before, "after": after, "seconds": started.elapsed().as_secs_f64() })
-    );
+    // (4) Checkpoints.
+    let sha = file_sha256(&path)?;
+    for mut run in runs {
+        let after = run.distiller.evaluate(held_out, k)?;
+        let total = run.total();
+        // A resumed run that had already finished has its final entry.
+        if run
+            .history
+            .last()
+            .map(|h| h["step"] != total)
+            .unwrap_or(true)
+        {
+            eprintln!("layer {} step {total}: {after:?}", run.exit_layer);
+            run.history.push(serde_json::json!({
+                "step": total, "tokens_seen": tokens_seen(total), "train_loss": run.running, "eval": after,
+            }));
+        }
+        run.save(started)?;
+        let config = run.distiller.config().clone();
+        let (out, before, history, init) = (run.out, run.before, run.history, run.init);
+        let seconds = run.seconds_before + started.elapsed().as_secs_f64();
+        let head = run.distiller.into_head();
+        let meta = HeadMetadata {
+            format_version: FORMAT_VERSION,
+            head_kind: head.kind().name().into(),
+            base_model_sha256: sha.clone(),
+            base_model_name: path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            exit_layer: DraftHead::exit_layer(&head).unwrap_or(run.exit_layer),
+            hidden_size: m.config().hidden_size,
+            vocab_subset: head.token_ids().map(<[u32]>::to_vec),
+            training: serde_json::json!({
+                "distill": config, "init_layer": init, "prompts": args.num_prompts, "sequences": data.len(),
+                "held_out": held, "answer_tokens": args.answer_tokens, "tokens_per_step": args.tokens_per_step, "loss": format!("KL(teacher || student) over the draft vocabulary + {} x CE(greedy token)", args.ce_weight),
+                "exit_layers_trained_together": layers, "generation_seconds": generation_seconds, "total_seconds": seconds,
+            }),
+            metrics: serde_json::json!({ "before": before, "after": after, "history": history }),
+        };
+        save_layer_head(&out, &head, &meta, true)?;
+        println!(
+            "{}",
+            serde_json::json!({ "out": out.display().to_string(), "exit_layer": meta.exit_layer, "before": before, "after": after, "seconds": started.elapsed().as_secs_f64() })
+        );
+    }
     Ok(())
+}
+
+/// One head being trained: its distiller, output prefix and evaluation history.
+struct HeadRun<'m> {
+    exit_layer: usize,
+    init: usize,
+    out: PathBuf,
+    distiller: Distiller<'m>,
+    before: EvalMetrics,
+    history: Vec<serde_json::Value>,
+    /// Training time of earlier (interrupted) runs.
+    seconds_before: f64,
+    /// Smoothed training loss.
+    running: Option<f64>,
+}
+
+impl<'m> HeadRun<'m> {
+    /// A fresh head, or with `--resume` the state saved under `out` (configuration,
+    /// evaluation history and time so far); `--resume` with no state yet starts over.
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        args: &Args,
+        m: &'m Llama,
+        exit_layer: usize,
+        init: usize,
+        out: PathBuf,
+        subset: Option<&VocabSubset>,
+        config: &DistillConfig,
+        held_out: &[Sequence],
+        k: usize,
+    ) -> Result<Self> {
+        let saved = args.resume && state_path(&out).exists();
+        if args.resume && !saved {
+            eprintln!(
+                "no saved state at {}: starting the training from step 0",
+                state_path(&out).display()
+            );
+        }
+        let (distiller, before, history, seconds_before) = if saved {
+            let (d, extra) = Distiller::resume(m, &out)?;
+            eprintln!(
+                "layer {exit_layer}: resuming at step {} of {}",
+                d.step(),
+                d.config().total_steps
+            );
+            let before: EvalMetrics = serde_json::from_value(extra["before"].clone())?;
+            let history: Vec<serde_json::Value> = serde_json::from_value(extra["history"].clone())?;
+            let seconds = extra["seconds"].as_f64().unwrap_or(0.0);
+            (d, before, history, seconds)
+        } else {
+            let head = LayerHead::from_model(m, args.head, exit_layer, init, subset)?;
+            let d = Distiller::new(m, head, config.clone())?;
+            let before = d.evaluate(held_out, k)?;
+            (d, before, Vec::new(), 0.0)
+        };
+        eprintln!("layer {exit_layer} before: {before:?}");
+        Ok(HeadRun {
+            exit_layer,
+            init,
+            out,
+            distiller,
+            before,
+            history,
+            seconds_before,
+            running: None,
+        })
+    }
+
+    /// Steps this head trains for (a resumed run keeps its saved configuration).
+    fn total(&self) -> usize {
+        self.distiller.config().total_steps
+    }
+
+    /// Saves the training state with what a resumed run needs back.
+    fn save(&self, started: Instant) -> Result<()> {
+        let extra = serde_json::json!({
+            "before": self.before, "history": self.history,
+            "seconds": self.seconds_before + started.elapsed().as_secs_f64(),
+        });
+        Ok(self.distiller.save_state(&self.out, extra)?)
+    }
 }

@@ -50,32 +50,56 @@ fn finish(args: &[String]) {
     );
 }
 
-/// What a finished run is judged by: the head's weights and the answers it trained on (sorted:
-/// a resumed run appends the missing answers in another order).
-fn result(out: &Path) -> (Vec<u8>, Vec<String>) {
-    let weights = std::fs::read(out.with_extension("safetensors")).unwrap();
+/// Output prefixes of the heads of a run with output prefix `out` training `layers` (one
+/// layer: `out` itself; several: `out-lN` each).
+fn head_prefixes(out: &Path, layers: &[usize]) -> Vec<PathBuf> {
+    if layers.len() == 1 {
+        return vec![out.to_path_buf()];
+    }
+    let stem = out.file_name().unwrap().to_string_lossy();
+    layers
+        .iter()
+        .map(|n| out.with_file_name(format!("{stem}-l{n}")))
+        .collect()
+}
+
+/// What a finished run is judged by: its heads' weights and the answers they trained on
+/// (sorted: a resumed run appends the missing answers in another order).
+fn result(out: &Path, layers: &[usize]) -> (Vec<Vec<u8>>, Vec<String>) {
+    let weights = head_prefixes(out, layers)
+        .iter()
+        .map(|p| std::fs::read(p.with_extension("safetensors")).unwrap())
+        .collect();
     let data = std::fs::read_to_string(out.with_extension("data.jsonl")).unwrap();
     let mut lines: Vec<String> = data.lines().map(String::from).collect();
     lines.sort();
     (weights, lines)
 }
 
-/// After a kill: the answer log parses up to its last complete line, and a saved state (if any)
-/// resumes.
-fn check_leftovers(out: &Path) {
+/// After a kill: the answer log parses up to its last complete line, and every saved state
+/// (if any) reads.
+fn check_leftovers(out: &Path, layers: &[usize]) {
     #[derive(serde::Deserialize)]
     struct Line {
         #[allow(dead_code)]
         prompt: usize,
     }
     eesd::train::recover_jsonl::<Line>(&out.with_extension("data.jsonl")).unwrap();
-    if eesd::train::state_path(out).exists() {
-        eesd::train::read_state(out).unwrap();
+    for prefix in head_prefixes(out, layers) {
+        if eesd::train::state_path(&prefix).exists() {
+            eesd::train::read_state(&prefix).unwrap();
+        }
     }
 }
 
 /// Kills and restarts the run until it finishes; returns how many times it was killed.
-fn run_with_kills(args: &[String], out: &Path, seed: u64, max_delay: Duration) -> usize {
+fn run_with_kills(
+    args: &[String],
+    out: &Path,
+    layers: &[usize],
+    seed: u64,
+    max_delay: Duration,
+) -> usize {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut kills = 0;
     let started = Instant::now();
@@ -106,7 +130,7 @@ fn run_with_kills(args: &[String], out: &Path, seed: u64, max_delay: Duration) -
                 child.kill().unwrap(); // SIGKILL
                 child.wait().unwrap();
                 kills += 1;
-                check_leftovers(out);
+                check_leftovers(out, layers);
                 break;
             }
             std::thread::sleep(Duration::from_millis(2));
@@ -125,8 +149,11 @@ fn prompts_file(dir: &Path, n: usize) -> PathBuf {
     path
 }
 
+/// Two heads (layers 1 and 2) trained together: a kill between their saves leaves them at
+/// different steps, and the lagging one catches up alone.
 #[test]
 fn a_run_killed_many_times_on_the_tiny_model_ends_like_an_uninterrupted_one() {
+    let layers = [1, 2];
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("tiny.gguf");
     eesd::models::testing::write_tiny_gguf(&model, &eesd::models::testing::tiny_config(), 11)
@@ -134,7 +161,7 @@ fn a_run_killed_many_times_on_the_tiny_model_ends_like_an_uninterrupted_one() {
     let prompts = prompts_file(dir.path(), 24);
     let settings = [
         "--exit-layer",
-        "2",
+        "1,2",
         "--vocab",
         "64",
         "--num-prompts",
@@ -165,14 +192,14 @@ fn a_run_killed_many_times_on_the_tiny_model_ends_like_an_uninterrupted_one() {
     let max_delay = started.elapsed() / 48;
     let killed = dir.path().join("killed");
     let args = run_args(&model, &prompts, &killed, &settings);
-    let kills = run_with_kills(&args, &killed, 5, max_delay);
+    let kills = run_with_kills(&args, &killed, &layers, 5, max_delay);
     eprintln!("finished after {kills} kills");
     assert!(
         kills >= 20,
         "only {kills} kills: the run is too short for this test"
     );
     assert!(
-        result(&killed) == result(&straight),
+        result(&killed, &layers) == result(&straight, &layers),
         "the resumed run ends elsewhere"
     );
 }
@@ -208,11 +235,11 @@ fn a_run_killed_a_few_times_on_the_real_model_ends_like_an_uninterrupted_one() {
     finish(&run_args(&model, &prompts, &straight, &settings));
     let killed = dir.path().join("killed");
     let args = run_args(&model, &prompts, &killed, &settings);
-    let kills = run_with_kills(&args, &killed, 7, Duration::from_millis(4000));
+    let kills = run_with_kills(&args, &killed, &[4], 7, Duration::from_millis(4000));
     eprintln!("finished after {kills} kills");
     assert!(kills >= 2, "only {kills} kills");
     assert!(
-        result(&killed) == result(&straight),
+        result(&killed, &[4]) == result(&straight, &[4]),
         "the resumed run ends elsewhere"
     );
 }

@@ -136,16 +136,84 @@ pub fn pack(lengths: &[usize], max_tokens: usize) -> Vec<Vec<usize>> {
     batches
 }
 
-/// Teacher outputs for a packed block of sequences, on the plain device.
-struct Teacher {
-    /// Layer-N hidden states `[t, hidden]`.
-    hidden: Tensor<2>,
-    /// Teacher log-probabilities over the draft vocabulary `[t, n]`.
-    log_probs: Tensor<2>,
+/// The frozen model's outputs for a packed block of sequences, on the plain device: what every
+/// head trained on that block needs. One [`Teacher`] serves heads at several exit layers (the
+/// full forward pass, most of a step's cost, runs once for all of them).
+pub struct Teacher {
+    /// Layer-N hidden states `[t, hidden]`, per exit layer N asked for.
+    hidden: Vec<(usize, Tensor<2>)>,
+    /// Full-vocabulary logits `[t, vocab]`.
+    logits: Tensor<2>,
     /// The full model's argmax at each position.
     argmax: Vec<u32>,
     /// Lengths of the sequences packed in the block.
     lengths: Vec<usize>,
+}
+
+impl Teacher {
+    /// Runs `model` once over `sequences` packed into one block (each attends only to itself),
+    /// keeping the hidden states after each of `exit_layers`.
+    pub fn new(model: &Llama, sequences: &[&[u32]], exit_layers: &[usize]) -> Result<Self> {
+        if sequences.is_empty() || sequences.iter().any(|s| s.len() < 2) {
+            return Err(TrainError::InvalidConfig(
+                "a training batch needs at least one sequence, each of at least 2 tokens".into(),
+            ));
+        }
+        let layers = model.num_layers();
+        if let Some(n) = exit_layers.iter().find(|&&n| n == 0 || n >= layers) {
+            return Err(TrainError::InvalidConfig(format!(
+                "exit layer {n} of a model of {layers} layers"
+            )));
+        }
+        let tokens: Vec<u32> = sequences.concat();
+        let lengths: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
+        let ctx = AttentionContext::packed(model.rope(), model.config(), &lengths)?;
+        let mut exits = exit_layers.to_vec();
+        exits.sort_unstable();
+        exits.dedup();
+        let mut x = model.embed(&tokens)?;
+        let (mut done, mut hidden) = (0, Vec::new());
+        for n in exits {
+            x = model.forward_packed(x, done..n, &ctx)?;
+            hidden.push((n, x.clone()));
+            done = n;
+        }
+        let top = model.forward_packed(x, done..layers, &ctx)?;
+        let logits = model.logits(top);
+        let argmax = logits
+            .clone()
+            .argmax(1)
+            .into_data()
+            .convert::<i64>()
+            .try_into_vec::<i64>()
+            .map_err(|e| TrainError::TensorData(format!("{e:?}")))?
+            .into_iter()
+            .map(|v| v as u32)
+            .collect();
+        Ok(Teacher {
+            hidden,
+            logits,
+            argmax,
+            lengths,
+        })
+    }
+
+    /// Positions in the block.
+    pub fn positions(&self) -> usize {
+        self.argmax.len()
+    }
+
+    fn hidden(&self, exit_layer: usize) -> Result<Tensor<2>> {
+        self.hidden
+            .iter()
+            .find(|(n, _)| *n == exit_layer)
+            .map(|(_, h)| h.clone())
+            .ok_or_else(|| {
+                TrainError::InvalidConfig(format!(
+                    "the teacher block has no states after layer {exit_layer}"
+                ))
+            })
+    }
 }
 
 /// Trains a [`LayerHead`] by self-distillation.
@@ -226,43 +294,22 @@ impl<'m> Distiller<'m> {
         &self.config
     }
 
-    /// Teacher outputs for whole sequences packed into one block (one sequence: an ordinary
-    /// forward pass).
-    fn teacher(&self, sequences: &[&[u32]]) -> Result<Teacher> {
-        let m = self.model;
-        let tokens: Vec<u32> = sequences.concat();
-        let lengths: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
-        let ctx = AttentionContext::packed(m.rope(), m.config(), &lengths)?;
-        let hidden = m.forward_packed(m.embed(&tokens)?, 0..self.exit_layer, &ctx)?;
-        let top = m.forward_packed(hidden.clone(), self.exit_layer..m.num_layers(), &ctx)?;
-        let logits = m.logits(top);
-        let argmax = logits
-            .clone()
-            .argmax(1)
-            .into_data()
-            .convert::<i64>()
-            .try_into_vec::<i64>()
-            .map_err(|e| TrainError::TensorData(format!("{e:?}")))?
-            .into_iter()
-            .map(|v| v as u32)
-            .collect();
+    /// Teacher log-probabilities over the draft vocabulary `[t, n]`, on the plain device.
+    fn teacher_log_probs(&self, teacher: &Teacher) -> Tensor<2> {
         let logits = match &self.subset_ids {
-            Some(ids) => logits.select(1, ids.clone()),
-            None => logits,
+            Some(ids) => teacher.logits.clone().select(1, ids.clone()),
+            None => teacher.logits.clone(),
         };
-        Ok(Teacher {
-            hidden,
-            log_probs: log_softmax(logits, 1),
-            argmax,
-            lengths,
-        })
+        log_softmax(logits, 1)
     }
 
     /// Student log-probabilities `[t, n]` on the training device for the teacher's block.
     fn student(&self, teacher: &Teacher) -> Result<Tensor<2>> {
         let c = self.model.config();
         let ctx = AttentionContext::packed(&self.rope, c, &teacher.lengths)?;
-        let hidden = teacher.hidden.clone().to_device(&self.train_device);
+        let hidden = teacher
+            .hidden(self.exit_layer)?
+            .to_device(&self.train_device);
         let h = self.weights.forward(hidden, &self.rope, &ctx, None, c)?;
         // Autodiff tensors: burn's matmul (the packed kernel is for inference on flex).
         let no_packing = PackedCache::default();
@@ -299,14 +346,17 @@ impl<'m> Distiller<'m> {
     /// One optimisation step on a batch of whole sequences, packed into one block (see
     /// [`pack`]); the loss is the mean over all their positions. Returns the loss.
     pub fn train_step(&mut self, batch: &[&[u32]]) -> Result<f64> {
-        if batch.is_empty() || batch.iter().any(|s| s.len() < 2) {
-            return Err(TrainError::InvalidConfig(
-                "a training batch needs at least one sequence, each of at least 2 tokens".into(),
-            ));
-        }
-        let teacher = self.teacher(batch)?;
-        let student = self.student(&teacher)?;
-        let target = teacher.log_probs.to_device(&self.train_device);
+        let teacher = Teacher::new(self.model, batch, &[self.exit_layer])?;
+        self.train_step_on(&teacher)
+    }
+
+    /// [`Distiller::train_step`] on a block the frozen model has already run over, e.g. one
+    /// [`Teacher`] shared by heads at several exit layers (it must hold this head's layer).
+    pub fn train_step_on(&mut self, teacher: &Teacher) -> Result<f64> {
+        let student = self.student(teacher)?;
+        let target = self
+            .teacher_log_probs(teacher)
+            .to_device(&self.train_device);
         let mut loss = Self::kl(target, student.clone());
         if self.config.ce_weight > 0.0 {
             loss = loss + self.greedy_ce(student, &teacher.argmax) * self.config.ce_weight;
@@ -326,14 +376,14 @@ impl<'m> Distiller<'m> {
     pub fn evaluate(&self, sequences: &[Sequence], k: usize) -> Result<EvalMetrics> {
         let (mut kl, mut agree, mut accepted, mut positions) = (0.0, 0usize, 0.0, 0usize);
         for seq in sequences.iter().filter(|s| s.tokens.len() >= 2) {
-            let teacher = self.teacher(&[&seq.tokens])?;
+            let teacher = Teacher::new(self.model, &[&seq.tokens], &[self.exit_layer])?;
             let student = self.student(&teacher)?.detach();
             // Score the positions that predict answer tokens: the last prompt position onwards.
             let t = seq.tokens.len();
             let from = seq.prompt_len.saturating_sub(1).min(t - 1);
             let rows = t - from;
             let student = student.narrow(0, from, rows);
-            let target = teacher.log_probs.narrow(0, from, rows);
+            let target = self.teacher_log_probs(&teacher).narrow(0, from, rows);
             kl += Self::kl(target.to_device(&self.train_device), student.clone())
                 .into_scalar::<f32>() as f64
                 * rows as f64;

@@ -5,7 +5,8 @@
 //! - [`data`]: the frozen model's own greedy answers to training prompts, many decoded at once.
 //! - [`distill`]: the training loop (KL to the frozen model, AdamW, warm-up + cosine) and
 //!   held-out evaluation (top-1 agreement, expected accepted tokens per round); whole sequences
-//!   are packed into one block per step ([`distill::pack`]).
+//!   are packed into one block per step ([`distill::pack`]); one [`Teacher`] pass over a block
+//!   serves heads at several exit layers ([`Distiller::train_step_on`]).
 //! - [`state`]: resumable training (head weights, optimizer moments, step).
 
 #![warn(missing_docs)]
@@ -17,7 +18,7 @@ pub mod fuzz;
 pub mod state;
 
 pub use data::{AnswerConfig, generate_answers, recover_jsonl};
-pub use distill::{DistillConfig, Distiller, EvalMetrics, Sequence, pack};
+pub use distill::{DistillConfig, Distiller, EvalMetrics, Sequence, Teacher, pack};
 pub use eesd_models::checkpoint::{
     self, HeadMetadata, file_sha256, load_layer_head, read_metadata, save_layer_head,
 };

@@ -11,8 +11,8 @@ use eesd_models::{
 };
 use eesd_train::checkpoint::FORMAT_VERSION;
 use eesd_train::{
-    AnswerConfig, DistillConfig, Distiller, HeadMetadata, Sequence, TrainError, generate_answers,
-    load_layer_head, pack, save_layer_head, state_path,
+    AnswerConfig, DistillConfig, Distiller, HeadMetadata, Sequence, Teacher, TrainError,
+    generate_answers, load_layer_head, pack, save_layer_head, state_path,
 };
 
 fn tiny(seed: u64) -> Llama {
@@ -438,6 +438,48 @@ fn a_packed_batch_loss_is_the_mean_over_its_sequences() {
         fresh().train_step(&[&[257]]),
         Err(TrainError::InvalidConfig(_))
     ));
+}
+
+#[test]
+fn heads_sharing_one_teacher_pass_train_as_they_would_alone() {
+    let model = tiny(26);
+    let data = self_generated(&model, 4, 12);
+    let fresh = |layer: usize| {
+        let head = LayerHead::from_model(&model, HeadKind::Layer, layer, 3, None).unwrap();
+        Distiller::new(&model, head, DistillConfig::default()).unwrap()
+    };
+    let wqkv = |d: Distiller| values(d.into_head().weights().layer.wqkv.val());
+    let (mut alone1, mut alone2) = (fresh(1), fresh(2));
+    let (mut shared1, mut shared2) = (fresh(1), fresh(2));
+    for s in &data {
+        let batch = [s.tokens.as_slice()];
+        let a = (
+            alone1.train_step(&batch).unwrap(),
+            alone2.train_step(&batch).unwrap(),
+        );
+        let teacher = Teacher::new(&model, &batch, &[2, 1]).unwrap();
+        assert_eq!(teacher.positions(), s.tokens.len());
+        let b = (
+            shared1.train_step_on(&teacher).unwrap(),
+            shared2.train_step_on(&teacher).unwrap(),
+        );
+        assert_eq!(a, b, "losses");
+    }
+    assert_eq!(wqkv(alone1), wqkv(shared1));
+    assert_eq!(wqkv(alone2), wqkv(shared2));
+    // A teacher without the head's layer, or with a layer outside the model: typed errors.
+    let batch = [data[0].tokens.as_slice()];
+    let teacher = Teacher::new(&model, &batch, &[1]).unwrap();
+    assert!(matches!(
+        fresh(2).train_step_on(&teacher),
+        Err(TrainError::InvalidConfig(_))
+    ));
+    for bad in [0, model.num_layers()] {
+        assert!(matches!(
+            Teacher::new(&model, &batch, &[bad]),
+            Err(TrainError::InvalidConfig(_))
+        ));
+    }
 }
 
 #[test]
