@@ -15,6 +15,8 @@
 
 #[path = "common/plots.rs"]
 mod plots;
+#[path = "common/questions.rs"]
+mod questions;
 
 use std::collections::BTreeMap;
 use std::ops::ControlFlow;
@@ -30,7 +32,6 @@ use eesd::models::{
     load_layer_head,
 };
 use indicatif::{ProgressBar, ProgressStyle};
-use serde::Deserialize;
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -61,12 +62,6 @@ struct Args {
     /// Write an SVG of held-out agreement against training tokens seen (trained heads).
     #[arg(long)]
     svg: Option<PathBuf>,
-}
-
-#[derive(Deserialize)]
-struct Question {
-    category: String,
-    turns: Vec<String>,
 }
 
 /// A head to evaluate, its exit layer and, for a trained head, its checkpoint metadata.
@@ -160,22 +155,7 @@ fn main() -> Result<()> {
     if args.heads.is_empty() {
         bail!("--heads names no head");
     }
-    let text = std::fs::read_to_string(&args.questions)
-        .with_context(|| format!("{}", args.questions.display()))?;
-    let all: Vec<Question> = text
-        .lines()
-        .map(serde_json::from_str)
-        .collect::<Result<_, _>>()
-        .with_context(|| format!("{}", args.questions.display()))?;
-    let mut per_cat: BTreeMap<&str, usize> = BTreeMap::new();
-    let questions: Vec<&Question> = all
-        .iter()
-        .filter(|q| {
-            let n = per_cat.entry(&q.category).or_default();
-            *n += 1;
-            *n <= args.per_category
-        })
-        .collect();
+    let questions = questions::load(&args.questions, args.per_category)?;
     let device = args.device.device()?;
     let path = fetch::resolve_model(args.model.as_deref())?;
     let lm = LoadedModel::load(
@@ -209,7 +189,7 @@ fn main() -> Result<()> {
     )?);
     let mut ar = Generator::new(&lm.model);
     for q in &questions {
-        bar.set_message(q.category.clone());
+        bar.set_message(format!("q{} {}", q.question_id, q.category));
         let prompt = lm.chat_prompt(&q.turns[0])?;
         let answer = ar.generate(&prompt, &config, |_| ControlFlow::Continue(()))?;
         if answer.tokens.is_empty() {

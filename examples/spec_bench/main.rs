@@ -16,6 +16,8 @@
 mod oracle;
 #[path = "../common/plots.rs"]
 mod plots;
+#[path = "../common/questions.rs"]
+mod questions;
 
 use std::collections::BTreeMap;
 use std::ops::ControlFlow;
@@ -32,7 +34,6 @@ use eesd::models::{AnyHead, Llama, LoadOptions, LoadedModel, NormHead, WeightDTy
 use eesd::models::{file_sha256, load_layer_head};
 use indicatif::{ProgressBar, ProgressStyle};
 use oracle::{BenchHead, Oracle};
-use serde::Deserialize;
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -71,13 +72,6 @@ struct Args {
     /// Also write results.md and results.json into this directory.
     #[arg(long)]
     out: Option<PathBuf>,
-}
-
-#[derive(Deserialize)]
-struct Question {
-    question_id: u64,
-    category: String,
-    turns: Vec<String>,
 }
 
 struct Method {
@@ -228,21 +222,7 @@ impl Totals {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let text = std::fs::read_to_string(&args.questions)
-        .with_context(|| format!("{}", args.questions.display()))?;
-    let all: Vec<Question> = text
-        .lines()
-        .map(serde_json::from_str)
-        .collect::<Result<_, _>>()?;
-    let mut per_cat: BTreeMap<String, usize> = BTreeMap::new();
-    let questions: Vec<&Question> = all
-        .iter()
-        .filter(|q| {
-            let n = per_cat.entry(q.category.clone()).or_default();
-            *n += 1;
-            *n <= args.per_category
-        })
-        .collect();
+    let questions = questions::load(&args.questions, args.per_category)?;
     let device = args.device.device()?;
     let path = fetch::resolve_model(args.model.as_deref())?;
     let lm = LoadedModel::load(
