@@ -13,6 +13,8 @@
 //! own accepted counts. `--svg` plots each trained head's held-out agreement against training
 //! tokens seen, from the history in its checkpoint.
 
+#[path = "common/bench_model.rs"]
+mod bench_model;
 #[path = "common/plots.rs"]
 mod plots;
 #[path = "common/questions.rs"]
@@ -27,10 +29,7 @@ use clap::Parser;
 use eesd::SHIPPED_HEAD;
 use eesd::core::head_eval::{Agreement, teacher_forced_ranks};
 use eesd::core::{Backend, GenerationConfig, Generator};
-use eesd::models::{
-    AnyHead, HeadMetadata, LoadOptions, LoadedModel, NormHead, WeightDType, fetch, file_sha256,
-    load_layer_head,
-};
+use eesd::models::{AnyHead, HeadMetadata, LoadedModel, NormHead, WeightDType, load_layer_head};
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Parser, Debug)]
@@ -156,17 +155,7 @@ fn main() -> Result<()> {
         bail!("--heads names no head");
     }
     let questions = questions::load(&args.questions, args.per_category)?;
-    let device = args.device.device()?;
-    let path = fetch::resolve_model(args.model.as_deref())?;
-    let lm = LoadedModel::load(
-        &path,
-        &device,
-        &LoadOptions {
-            dtype: args.dtype,
-            context_length: Some(4096),
-        },
-    )?;
-    let sha = file_sha256(&path)?;
+    let (lm, path, sha) = bench_model::load(args.device, args.model.as_deref(), args.dtype)?;
     let candidates: Vec<Candidate> = args
         .heads
         .iter()

@@ -13,6 +13,8 @@
 //! AR on the same prompt (first turn, chat template), so machine drift cancels in the speedup, and
 //! every method's tokens are compared with AR's: `divergences` must be 0.
 
+#[path = "../common/bench_model.rs"]
+mod bench_model;
 mod oracle;
 #[path = "../common/plots.rs"]
 mod plots;
@@ -30,8 +32,8 @@ use eesd::SHIPPED_HEAD;
 use eesd::bandit::Policy;
 use eesd::core::drafters::DrafterSpec;
 use eesd::core::{Backend, GenerationConfig, GenerationOutput, Generator, Mode};
-use eesd::models::{AnyHead, Llama, LoadOptions, LoadedModel, NormHead, WeightDType, fetch};
-use eesd::models::{file_sha256, load_layer_head};
+use eesd::models::load_layer_head;
+use eesd::models::{AnyHead, Llama, LoadedModel, NormHead, WeightDType};
 use indicatif::{ProgressBar, ProgressStyle};
 use oracle::{BenchHead, Oracle};
 
@@ -223,17 +225,7 @@ impl Totals {
 fn main() -> Result<()> {
     let args = Args::parse();
     let questions = questions::load(&args.questions, args.per_category)?;
-    let device = args.device.device()?;
-    let path = fetch::resolve_model(args.model.as_deref())?;
-    let lm = LoadedModel::load(
-        &path,
-        &device,
-        &LoadOptions {
-            dtype: args.dtype,
-            context_length: Some(4096),
-        },
-    )?;
-    let sha = file_sha256(&path)?;
+    let (lm, path, sha) = bench_model::load(args.device, args.model.as_deref(), args.dtype)?;
     let methods: Vec<Method> = args
         .methods
         .iter()
