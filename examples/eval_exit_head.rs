@@ -170,7 +170,7 @@ fn main() -> Result<()> {
         ..Default::default()
     };
 
-    // agreement[head][category]; "overall" collects every question.
+    // agreement[head][category]; "overall" is added after the loop.
     let mut agreement: Vec<BTreeMap<String, Agreement>> = vec![BTreeMap::new(); candidates.len()];
     let bar = ProgressBar::new(questions.len() as u64);
     bar.set_style(ProgressStyle::with_template(
@@ -186,18 +186,21 @@ fn main() -> Result<()> {
             continue;
         }
         let p = prompt.len();
-        let tokens = [prompt, answer.tokens.clone()].concat();
+        let tokens = [prompt, answer.tokens].concat();
         // The positions that predict the answer's tokens.
         let score = p - 1..tokens.len() - 1;
         let ranks = teacher_forced_ranks(&lm.model, &heads, &tokens, score)?;
         for (per_head, r) in agreement.iter_mut().zip(ranks) {
-            for key in [q.category.as_str(), "overall"] {
-                per_head.entry(key.into()).or_default().push(r.clone());
-            }
+            per_head.entry(q.category.clone()).or_default().push(r);
         }
         bar.inc(1);
     }
     bar.finish_and_clear();
+    for per_head in &mut agreement {
+        let mut overall = Agreement::default();
+        per_head.values().for_each(|a| overall.extend(a));
+        per_head.insert("overall".into(), overall);
+    }
 
     let results: Vec<serde_json::Value> = candidates
         .iter()

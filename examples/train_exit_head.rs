@@ -243,7 +243,6 @@ fn main() -> Result<()> {
         batches.len(),
         args.tokens_per_step
     );
-    let k = 4;
     let mut layers = args.exit_layer.clone();
     layers.sort_unstable();
     layers.dedup();
@@ -259,18 +258,7 @@ fn main() -> Result<()> {
                 let stem = args.out.file_name().unwrap_or_default().to_string_lossy();
                 args.out.with_file_name(format!("{stem}-l{n}"))
             };
-            let init = args.init_layer.unwrap_or(n);
-            HeadRun::start(
-                &args,
-                m,
-                n,
-                init,
-                out,
-                subset.as_ref(),
-                &config,
-                held_out,
-                k,
-            )
+            HeadRun::start(&args, m, n, out, subset.as_ref(), &config, held_out)
         })
         .collect::<Result<Vec<_>>>()?;
     let total = runs.iter().map(|r| r.total()).max().unwrap_or(0);
@@ -304,7 +292,7 @@ fn main() -> Result<()> {
             // The last step is evaluated and saved once, below.
             let done = step + 1;
             if done % args.eval_every == 0 && done < run.total() {
-                let metrics = run.distiller.evaluate(held_out, k)?;
+                let metrics = run.distiller.evaluate(held_out, EVAL_K)?;
                 bar.suspend(|| eprintln!("layer {} step {done}: {metrics:?}", run.exit_layer));
                 run.history.push(serde_json::json!({
                     "step": done, "tokens_seen": tokens_seen(done), "train_loss": smooth, "eval": metrics,
@@ -325,7 +313,7 @@ fn main() -> Result<()> {
     // (4) Checkpoints.
     let sha = file_sha256(&path)?;
     for mut run in runs {
-        let after = run.distiller.evaluate(held_out, k)?;
+        let after = run.distiller.evaluate(held_out, EVAL_K)?;
         let total = run.total();
         // A resumed run that had already finished has its final entry.
         if run
@@ -341,7 +329,8 @@ fn main() -> Result<()> {
         }
         run.save(started)?;
         let config = run.distiller.config().clone();
-        let (out, before, history, init) = (run.out, run.before, run.history, run.init);
+        let init = args.init_layer.unwrap_or(run.exit_layer);
+        let (out, before, history) = (run.out, run.before, run.history);
         let seconds = run.seconds_before + started.elapsed().as_secs_f64();
         let head = run.distiller.into_head();
         let meta = HeadMetadata {
@@ -371,10 +360,12 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// Draft length of the held-out evaluation's expected tokens per round.
+const EVAL_K: usize = 4;
+
 /// One head being trained: its distiller, output prefix and evaluation history.
 struct HeadRun<'m> {
     exit_layer: usize,
-    init: usize,
     out: PathBuf,
     distiller: Distiller<'m>,
     before: EvalMetrics,
@@ -388,17 +379,14 @@ struct HeadRun<'m> {
 impl<'m> HeadRun<'m> {
     /// A fresh head, or with `--resume` the state saved under `out` (configuration,
     /// evaluation history and time so far); `--resume` with no state yet starts over.
-    #[allow(clippy::too_many_arguments)]
     fn start(
         args: &Args,
         m: &'m Llama,
         exit_layer: usize,
-        init: usize,
         out: PathBuf,
         subset: Option<&VocabSubset>,
         config: &DistillConfig,
         held_out: &[Sequence],
-        k: usize,
     ) -> Result<Self> {
         let saved = args.resume && state_path(&out).exists();
         if args.resume && !saved {
@@ -419,15 +407,15 @@ impl<'m> HeadRun<'m> {
             let seconds = extra["seconds"].as_f64().unwrap_or(0.0);
             (d, before, history, seconds)
         } else {
+            let init = args.init_layer.unwrap_or(exit_layer);
             let head = LayerHead::from_model(m, args.head, exit_layer, init, subset)?;
             let d = Distiller::new(m, head, config.clone())?;
-            let before = d.evaluate(held_out, k)?;
+            let before = d.evaluate(held_out, EVAL_K)?;
             (d, before, Vec::new(), 0.0)
         };
         eprintln!("layer {exit_layer} before: {before:?}");
         Ok(HeadRun {
             exit_layer,
-            init,
             out,
             distiller,
             before,

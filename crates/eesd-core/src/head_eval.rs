@@ -96,11 +96,10 @@ pub fn teacher_forced_ranks<M: LayeredModel, H: DraftHead<M>>(
                     .enumerate()
                     .for_each(|(c, s)| *s = Some(c)),
             }
-            let column = |g: usize| column[g];
             logits
                 .chunks(n)
                 .zip(&greedy)
-                .map(|(row, &g)| column(g).map(|c| rank_of(row, c)))
+                .map(|(row, &g)| column[g].map(|c| rank_of(row, c)))
                 .collect()
         })
         .collect())
