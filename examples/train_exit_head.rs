@@ -332,7 +332,7 @@ fn main() -> Result<()> {
         let init = args.init_layer.unwrap_or(run.exit_layer);
         let (out, before, history) = (run.out, run.before, run.history);
         let seconds = run.seconds_before + started.elapsed().as_secs_f64();
-        let head = run.distiller.into_head();
+        let head = run.distiller.into_head()?;
         let meta = HeadMetadata {
             format_version: FORMAT_VERSION,
             head_kind: head.kind().name().into(),

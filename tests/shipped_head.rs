@@ -1,12 +1,16 @@
 //! The head shipped in `assets/heads` loads for the real model and keeps EESD lossless:
 //! greedy EESD with it is token-identical to AR on Spec-Bench questions, for several policies.
+//! With native weights (the default) it drafts from Q8_0 copies of its matrices and the LM
+//! head's own quantized rows, and its drafts stay those of its dense weights.
 
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
+use burn::tensor::{Int, Tensor, TensorData};
 use eesd::bandit::Policy;
+use eesd::core::DraftHead;
 use eesd::core::{Backend, GenerationConfig, Generator, Mode};
-use eesd::models::{HeadKind, LoadOptions, LoadedModel, fetch};
+use eesd::models::{AttentionContext, HeadKind, LayerHeadWeights, LoadOptions, LoadedModel, fetch};
 use eesd::models::{file_sha256, load_layer_head, read_metadata};
 
 #[derive(serde::Deserialize)]
@@ -29,8 +33,12 @@ fn questions(n: usize) -> Vec<Question> {
         .collect()
 }
 
-#[test]
-fn shipped_head_is_lossless_on_the_real_model() {
+/// The real model with its default (native) weights, and the shipped head loaded for it.
+fn model_and_head() -> (
+    LoadedModel,
+    eesd::models::LayerHead,
+    eesd::models::HeadMetadata,
+) {
     let meta = read_metadata(Path::new(eesd::SHIPPED_HEAD)).unwrap();
     let path = fetch::resolve_model(None).unwrap();
     assert_eq!(meta.base_model_sha256, file_sha256(&path).unwrap());
@@ -46,6 +54,83 @@ fn shipped_head_is_lossless_on_the_real_model() {
         Some(&meta.base_model_sha256),
     )
     .unwrap();
+    (lm, head, meta)
+}
+
+fn values(t: Tensor<2>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .unwrap()
+}
+
+#[test]
+fn shipped_head_drafts_from_quantized_blocks_like_its_dense_weights() {
+    let (lm, head, meta) = model_and_head();
+    let m = &lm.model;
+    assert!(
+        m.native_lm_head().is_some(),
+        "the default weights are native"
+    );
+    assert!(
+        head.weights().layer.native.bytes() > 0,
+        "with native weights the head holds Q8_0 blocks"
+    );
+    let ids = head.token_ids().unwrap().to_vec();
+    let q = questions(3);
+    let (mut agree, mut positions, mut worst) = (0, 0, 0f32);
+    for q in &q {
+        let prompt = lm.chat_prompt(&q.turns[0]).unwrap();
+        let t = prompt.len();
+        let hidden = m
+            .forward_layers(
+                m.embed(&prompt).unwrap(),
+                0..meta.exit_layer,
+                &mut m.new_cache(),
+            )
+            .unwrap();
+        // The head as it drafts: quantized layer and projection, with its cache.
+        let mut cache = head.new_cache(m);
+        let drafted = head.draft_logits(m, hidden.clone(), &mut cache).unwrap();
+        let drafted = values(drafted.logits);
+        // The same head on its dense weights: a clone holds no quantized copies.
+        let dense = LayerHeadWeights {
+            layer: head.weights().layer.clone(),
+            norm: head.weights().norm.clone(),
+            kind: head.kind(),
+        };
+        assert_eq!(dense.layer.native.bytes(), 0);
+        let ctx = AttentionContext::for_config(m.rope(), m.config(), 0, t);
+        let h = dense
+            .forward(hidden, m.rope(), &ctx, None, m.config())
+            .unwrap();
+        let rows: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+        let rows = Tensor::<1, Int>::from_data(TensorData::new(rows, [ids.len()]), m.device());
+        let w = m.lm_head().clone().select(0, rows);
+        let reference = values(h.matmul(w.transpose()));
+        let n = ids.len();
+        for (a, b) in drafted.chunks(n).zip(reference.chunks(n)) {
+            let best = |v: &[f32]| (0..v.len()).fold(0, |bi, i| if v[i] > v[bi] { i } else { bi });
+            agree += usize::from(best(a) == best(b));
+            positions += 1;
+            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (x, y) in a.iter().zip(b) {
+                worst = worst.max((x - y).abs() / scale);
+            }
+        }
+    }
+    // 8-bit weights and activations move logits by a few percent of their range at most; the
+    // draft token stays the dense head's almost everywhere.
+    assert!(worst < 0.08, "largest logit change {worst} of the range");
+    assert!(
+        agree * 100 >= positions * 93,
+        "quantized head drafts the dense head's token at {agree} of {positions} positions"
+    );
+}
+
+#[test]
+fn shipped_head_is_lossless_on_the_real_model() {
+    let (lm, head, meta) = model_and_head();
     assert!(matches!(head.kind(), HeadKind::Layer | HeadKind::Adapter));
     assert!(
         head.token_ids().is_some(),

@@ -298,7 +298,7 @@ pub fn load_layer_head(
         .map(|ids| VocabSubset::new(ids, c.vocab_size))
         .transpose()?;
     Ok((
-        LayerHead::from_weights(model, meta.exit_layer, weights, subset.as_ref()),
+        LayerHead::from_weights(model, meta.exit_layer, weights, subset.as_ref())?,
         meta,
     ))
 }

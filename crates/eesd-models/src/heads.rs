@@ -17,10 +17,12 @@ use eesd_core::{DraftHead, DraftLogits};
 
 use crate::cache::LayerCache;
 use crate::config::LlamaConfig;
-use crate::cpu::PackedCache;
+use crate::cpu::{PackedCache, QuantFormat, QuantMatrix};
 use crate::error::{ModelError, Result};
 use crate::layer::{AttentionContext, DecoderLayer, linear, rms_norm};
 use crate::llama::Llama;
+use crate::native::{NativeWeights, lazy_param, quant_linear};
+use crate::quant::quantize_q8_0;
 use crate::rope::Rope;
 
 /// A set of token ids the draft projects onto (e.g. the most frequent ones).
@@ -94,32 +96,47 @@ impl VocabSubset {
 }
 
 /// The output projection of a head: the model's LM head, whole or restricted to a subset.
+///
+/// With native weights it is the LM head's own quantized rows ([`QuantMatrix::select_rows`]):
+/// a draft then reads ≈ 1/4 of the bytes of an f32 copy, and its logits are exactly the
+/// model's logits for those tokens. The dense form is made only where the quantized kernel
+/// does not apply (another backend).
 #[derive(Debug, Clone)]
 struct Projection {
-    weight: Tensor<2>,
+    weight: Param<Tensor<2>>,
+    native: Option<Arc<QuantMatrix>>,
     ids: Option<Arc<Vec<u32>>>,
     packed: PackedCache,
 }
 
 impl Projection {
-    fn new(model: &Llama, subset: Option<&VocabSubset>) -> Self {
-        match subset {
-            None => Projection {
-                weight: model.lm_head().clone(),
-                ids: None,
-                packed: PackedCache::default(),
-            },
-            Some(s) => Projection {
-                weight: s.rows_of(model.lm_head()),
-                ids: Some(s.ids.clone()),
-                packed: PackedCache::default(),
-            },
-        }
+    fn new(model: &Llama, subset: Option<&VocabSubset>) -> Result<Self> {
+        let ids = subset.map(|s| s.ids.clone());
+        let native = match (model.native_lm_head(), &ids) {
+            (Some(q), None) => Some(q.clone()),
+            (Some(q), Some(ids)) => Some(Arc::new(
+                q.select_rows(ids)
+                    .map_err(|e| ModelError::InvalidArgument(e.to_string()))?,
+            )),
+            (None, _) => None,
+        };
+        let weight = match (&native, subset) {
+            (Some(q), _) => lazy_param(q.clone(), model.device()),
+            (None, None) => Param::from_tensor(model.lm_head().clone()),
+            (None, Some(s)) => Param::from_tensor(s.rows_of(model.lm_head())),
+        };
+        Ok(Projection {
+            weight,
+            native,
+            ids,
+            packed: PackedCache::default(),
+        })
     }
 
     fn logits(&self, normed: Tensor<2>) -> DraftLogits {
+        let quantized = self.native.as_ref().and_then(|q| quant_linear(&normed, q));
         DraftLogits {
-            logits: linear(normed, &self.weight, &self.packed),
+            logits: quantized.unwrap_or_else(|| linear(normed, &self.weight.val(), &self.packed)),
             token_ids: self.ids.clone(),
         }
     }
@@ -139,10 +156,10 @@ impl NormHead {
     }
 
     /// Projects onto `subset` only.
-    pub fn with_vocab(model: &Llama, subset: &VocabSubset) -> Self {
-        NormHead {
-            projection: Some(Box::new(Projection::new(model, Some(subset)))),
-        }
+    pub fn with_vocab(model: &Llama, subset: &VocabSubset) -> Result<Self> {
+        Ok(NormHead {
+            projection: Some(Box::new(Projection::new(model, Some(subset))?)),
+        })
     }
 }
 
@@ -263,6 +280,28 @@ impl LayerHeadWeights {
     }
 }
 
+/// The matrices of a head's `layer` that `kind` runs, quantized to Q8_0 blocks.
+fn quantized_q8_0(layer: &DecoderLayer, kind: HeadKind) -> Result<NativeWeights> {
+    let mut native = NativeWeights::default();
+    let mut matrices = vec![&layer.wqkv, &layer.wo];
+    if kind == HeadKind::Layer {
+        matrices.extend([&layer.w_gate_up, &layer.w_down]);
+    }
+    for w in matrices {
+        let t = w.val();
+        let [out, k] = t.dims();
+        let values = t
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .map_err(|e| ModelError::InvalidArgument(format!("head weights: {e:?}")))?;
+        let m = QuantMatrix::new(QuantFormat::Q8_0, quantize_q8_0(&values), out, k)
+            .map_err(|e| ModelError::InvalidArgument(format!("head weights: {e}")))?;
+        native.insert(w, Arc::new(m));
+    }
+    Ok(native)
+}
+
 /// EESD's early-exiting layer: a decoder layer of its own (with its own KV cache), an RMSNorm,
 /// and the model's LM head (shared and frozen; optionally restricted to a [`VocabSubset`]).
 /// With [`HeadKind::Adapter`] the block is attention-only (Kangaroo's adapter).
@@ -294,21 +333,32 @@ impl LayerHead {
             norm: Param::from_tensor(model.final_norm().clone()),
             kind,
         };
-        Ok(Self::from_weights(model, n, weights, subset))
+        Self::from_weights(model, n, weights, subset)
     }
 
-    /// A head from trained weights.
+    /// A head from trained weights, in the model's weight format. When the model's layers are
+    /// held in quantized blocks (native weights), the head's matrices are also held in Q8_0,
+    /// quantized here from the weights as they are (the dense weights stay, for training and
+    /// saving); with a quantized LM head it projects with that head's own rows. Drafting then
+    /// streams ≈ 9 MB instead of ≈ 33 MB of f32 (SmolLM2, 8,192-token subset), a third of a
+    /// native decoding step. Only the drafts can change, never the output: verification runs
+    /// the model alone.
     pub fn from_weights(
         model: &Llama,
         n: usize,
-        weights: LayerHeadWeights,
+        mut weights: LayerHeadWeights,
         subset: Option<&VocabSubset>,
-    ) -> Self {
-        LayerHead {
+    ) -> Result<Self> {
+        let quantized_model = model.layers().iter().any(|l| l.native.bytes() > 0);
+        weights.layer.native = match quantized_model {
+            true => quantized_q8_0(&weights.layer, weights.kind)?,
+            false => NativeWeights::default(),
+        };
+        Ok(LayerHead {
             weights,
             exit_layer: n,
-            projection: Projection::new(model, subset),
-        }
+            projection: Projection::new(model, subset)?,
+        })
     }
 
     /// The trainable weights.
@@ -316,8 +366,10 @@ impl LayerHead {
         &self.weights
     }
 
-    /// Takes the trainable weights out (for training).
-    pub fn into_weights(self) -> LayerHeadWeights {
+    /// Takes the trainable weights out (for training): the dense ones only, so that no
+    /// quantized copy can stand in for weights that training then changes.
+    pub fn into_weights(mut self) -> LayerHeadWeights {
+        self.weights.layer.native = NativeWeights::default();
         self.weights
     }
 

@@ -50,7 +50,7 @@ fn greedy_eesd_equals_ar_for_every_layer_policy_and_head() {
         let random = RandomHead::new(&model, 32, seed);
         let subset =
             VocabSubset::new((0..64).map(|i| (i * 3 + seed as u32) % 259).collect(), 259).unwrap();
-        let small_norm = NormHead::with_vocab(&model, &subset);
+        let small_norm = NormHead::with_vocab(&model, &subset).unwrap();
         for exit in 1..model.num_layers() {
             for policy in POLICIES {
                 let config = GenerationConfig {
@@ -175,7 +175,7 @@ fn eesd_sampling_has_the_ar_distribution() {
     let model = tiny(5);
     let random = RandomHead::new(&model, 40, 2);
     let subset = VocabSubset::new((0..40).chain(100..140).collect(), 259).unwrap();
-    let small = NormHead::with_vocab(&model, &subset);
+    let small = NormHead::with_vocab(&model, &subset).unwrap();
     for position in [0, 2] {
         let ar = histogram(&model, &NormHead::new(), Mode::Ar, position, 3000);
         for (name, eesd) in [

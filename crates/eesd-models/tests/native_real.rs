@@ -10,9 +10,10 @@ use std::ops::ControlFlow;
 
 use common::*;
 use eesd_bandit::Policy;
+use eesd_core::DraftHead;
 use eesd_core::drafters::DrafterSpec;
 use eesd_core::{GenerationConfig, GenerationOutput, Generator, Mode};
-use eesd_models::{LoadedModel, NormHead, WeightDType};
+use eesd_models::{LoadedModel, NormHead, VocabSubset, WeightDType};
 
 fn native() -> &'static LoadedModel {
     model_in(WeightDType::Native)
@@ -35,6 +36,32 @@ fn native_weights_stay_in_their_blocks() {
         "{held} bytes held for a {file}-byte file"
     );
     assert!(m.native_lm_head().is_some());
+}
+
+#[test]
+fn a_subset_projection_gives_the_model_logits_of_its_tokens_bit_for_bit() {
+    // With native weights a head projects with the LM head's own quantized rows.
+    let m = &native().model;
+    let vocab = m.config().vocab_size as u32;
+    let ids: Vec<u32> = (0..600).map(|i| (i * 7919 + 11) % vocab).collect();
+    let head =
+        NormHead::with_vocab(m, &VocabSubset::new(ids.clone(), vocab as usize).unwrap()).unwrap();
+    let prompt = &golden()[0].prompt_ids;
+    let hidden = m
+        .forward_layers(m.embed(prompt).unwrap(), 0..30, &mut m.new_cache())
+        .unwrap();
+    let full = m.logits(hidden.clone());
+    let drafted = head.draft_logits(m, hidden, &mut 0).unwrap();
+    for i in 0..prompt.len() {
+        let (want, got) = (row(&full, i), row(&drafted.logits, i));
+        for (j, &id) in ids.iter().enumerate() {
+            assert_eq!(
+                got[j].to_bits(),
+                want[id as usize].to_bits(),
+                "row {i} token {id}"
+            );
+        }
+    }
 }
 
 #[test]

@@ -420,8 +420,13 @@ impl<'m> Distiller<'m> {
     }
 
     /// The trained head, back on the model's device.
-    pub fn into_head(self) -> LayerHead {
+    pub fn into_head(self) -> Result<LayerHead> {
         let weights = self.weights.to_device(self.model.device());
-        LayerHead::from_weights(self.model, self.exit_layer, weights, self.subset.as_ref())
+        Ok(LayerHead::from_weights(
+            self.model,
+            self.exit_layer,
+            weights,
+            self.subset.as_ref(),
+        )?)
     }
 }

@@ -156,7 +156,7 @@ fn checkpoints_round_trip_for(kind: HeadKind) {
     )
     .unwrap();
     d.train_step(&[&[257, 72, 101, 108, 108, 111]]).unwrap();
-    let head = d.into_head();
+    let head = d.into_head().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let prefix = dir.path().join("head");
     let tokens = [257, 80, 81, 82, 83];
@@ -254,7 +254,7 @@ fn a_trained_reduced_vocabulary_head_keeps_eesd_lossless() {
     for seq in &data {
         d.train_step(&[&seq.tokens]).unwrap();
     }
-    let head = d.into_head();
+    let head = d.into_head().unwrap();
     let prompt = [257, 84, 104, 101];
     let base = GenerationConfig {
         max_new_tokens: 40,
@@ -448,7 +448,7 @@ fn heads_sharing_one_teacher_pass_train_as_they_would_alone() {
         let head = LayerHead::from_model(&model, HeadKind::Layer, layer, 3, None).unwrap();
         Distiller::new(&model, head, DistillConfig::default()).unwrap()
     };
-    let wqkv = |d: Distiller| values(d.into_head().weights().layer.wqkv.val());
+    let wqkv = |d: Distiller| values(d.into_head().unwrap().weights().layer.wqkv.val());
     let (mut alone1, mut alone2) = (fresh(1), fresh(2));
     let (mut shared1, mut shared2) = (fresh(1), fresh(2));
     for s in &data {
@@ -549,7 +549,7 @@ fn a_resumed_run_continues_exactly_for(kind: HeadKind) {
         straight_losses[3..],
         "{kind:?}: a resumed run must see the same losses"
     );
-    let wqkv = |d: Distiller| values(d.into_head().weights().layer.wqkv.val());
+    let wqkv = |d: Distiller| values(d.into_head().unwrap().weights().layer.wqkv.val());
     assert_eq!(wqkv(resumed), wqkv(straight), "{kind:?}: same weights");
 
     // Another model shape, a broken state file, no state at all: typed errors.
