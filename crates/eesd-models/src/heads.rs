@@ -12,14 +12,14 @@
 use std::sync::Arc;
 
 use burn::module::{Module, Param};
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{DType, Int, Tensor, TensorData};
 use eesd_core::{DraftHead, DraftLogits};
 
 use crate::cache::LayerCache;
 use crate::config::LlamaConfig;
 use crate::cpu::{PackedCache, QuantFormat, QuantMatrix};
 use crate::error::{ModelError, Result};
-use crate::layer::{AttentionContext, DecoderLayer, linear, rms_norm};
+use crate::layer::{AttentionContext, DecoderLayer, cast_to, linear, rms_norm};
 use crate::llama::Llama;
 use crate::native::{NativeWeights, lazy_param, quant_linear};
 use crate::quant::quantize_q8_0;
@@ -302,6 +302,24 @@ fn quantized_q8_0(layer: &DecoderLayer, kind: HeadKind) -> Result<NativeWeights>
     Ok(native)
 }
 
+/// A copy of `layer` with parameters of its own: dense f32 tensors with fresh ids, that
+/// autodiff tracks. A plain clone would share the model's parameters, and with native weights
+/// those are lazy, frozen stand-ins for quantized blocks: a head built from one trained only
+/// its norm gain.
+fn trainable_copy(layer: &DecoderLayer) -> DecoderLayer {
+    let own = |p: &Param<Tensor<2>>| Param::from_tensor(cast_to(p.val(), DType::F32));
+    let own_vector = |p: &Param<Tensor<1>>| Param::from_tensor(cast_to(p.val(), DType::F32));
+    DecoderLayer {
+        attn_norm: own_vector(&layer.attn_norm),
+        wqkv: own(&layer.wqkv),
+        wo: own(&layer.wo),
+        mlp_norm: own_vector(&layer.mlp_norm),
+        w_gate_up: own(&layer.w_gate_up),
+        w_down: own(&layer.w_down),
+        ..layer.clone()
+    }
+}
+
 /// EESD's early-exiting layer: a decoder layer of its own (with its own KV cache), an RMSNorm,
 /// and the model's LM head (shared and frozen; optionally restricted to a [`VocabSubset`]).
 /// With [`HeadKind::Adapter`] the block is attention-only (Kangaroo's adapter).
@@ -314,7 +332,8 @@ pub struct LayerHead {
 
 impl LayerHead {
     /// A head of `kind` for exit layer `n`, initialised from a copy of model layer `init_from`
-    /// and the model's final norm.
+    /// and the model's final norm. The copy is the head's own: dense f32 parameters that
+    /// training updates, whatever format the model holds its layer in.
     pub fn from_model(
         model: &Llama,
         kind: HeadKind,
@@ -329,7 +348,7 @@ impl LayerHead {
             )));
         }
         let weights = LayerHeadWeights {
-            layer: model.layers()[init_from].clone(),
+            layer: trainable_copy(&model.layers()[init_from]),
             norm: Param::from_tensor(model.final_norm().clone()),
             kind,
         };

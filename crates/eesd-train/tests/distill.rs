@@ -351,6 +351,49 @@ fn values(t: Tensor<2>) -> Vec<f32> {
         .unwrap()
 }
 
+/// The student runs on the autodiff device through burn's operations (not the fused CPU
+/// path): a packed block must give each sequence what it gives alone there too.
+#[test]
+fn a_packed_student_block_computes_each_sequence_as_if_alone() {
+    use burn::module::Module;
+    let model = tiny(25);
+    let c = model.config();
+    let seqs: [&[u32]; 3] = [
+        &[257, 72, 101, 108, 108],
+        &[257, 80, 81, 82, 83, 84, 85],
+        &[257, 90],
+    ];
+    let train = model.device().clone().autodiff();
+    let rope = eesd_models::rope::Rope::new(c, &train);
+    let weights = LayerHead::from_model(&model, HeadKind::Layer, 2, 3, None)
+        .unwrap()
+        .into_weights()
+        .fork(&train);
+    let hidden = |s: &[u32]| {
+        model
+            .forward_layers(model.embed(s).unwrap(), 0..2, &mut model.new_cache())
+            .unwrap()
+            .to_device(&train)
+    };
+    let lengths: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
+    let ctx = AttentionContext::packed(&rope, c, &lengths).unwrap();
+    let block = Tensor::cat(seqs.iter().map(|s| hidden(s)).collect(), 0);
+    let packed = values(weights.forward(block, &rope, &ctx, None, c).unwrap());
+    let mut row = 0;
+    for s in seqs {
+        let ctx = AttentionContext::for_config(&rope, c, 0, s.len());
+        let alone = values(weights.forward(hidden(s), &rope, &ctx, None, c).unwrap());
+        let part = &packed[row * c.hidden_size..(row + s.len()) * c.hidden_size];
+        let diff = alone
+            .iter()
+            .zip(part)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(diff < 1e-4, "sequence at row {row} differs by {diff}");
+        row += s.len();
+    }
+}
+
 #[test]
 fn a_packed_block_computes_each_sequence_as_if_alone() {
     let model = tiny(24);
@@ -573,4 +616,37 @@ fn a_resumed_run_continues_exactly_for(kind: HeadKind) {
         Distiller::resume(&model, &dir.path().join("none")),
         Err(TrainError::Io { .. })
     ));
+}
+
+/// With native weights a model's layers hold lazy, frozen stand-ins for their quantized
+/// blocks; a head initialised from one must still train every matrix (it once trained only its
+/// norm gain).
+#[test]
+fn a_head_from_a_quantized_model_trains_all_its_weights() {
+    use eesd_models::testing::tiny_quantized_gguf_bytes;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-q.gguf");
+    std::fs::write(&path, tiny_quantized_gguf_bytes(&tiny_config(), 5)).unwrap();
+    let device = Backend::default_compiled().unwrap().device().unwrap();
+    let model = LoadedModel::load(&path, &device, &LoadOptions::default())
+        .unwrap()
+        .model;
+    assert!(
+        model.layers()[3].native.bytes() > 0,
+        "the layers are held quantized"
+    );
+    let head = LayerHead::from_model(&model, HeadKind::Layer, 2, 3, None).unwrap();
+    let matrices = |h: &LayerHead| {
+        let l = &h.weights().layer;
+        [&l.wqkv, &l.wo, &l.w_gate_up, &l.w_down].map(|w| values(w.val()))
+    };
+    let before = matrices(&head);
+    let mut d = Distiller::new(&model, head, DistillConfig::default()).unwrap();
+    for _ in 0..3 {
+        d.train_step(&[&[257, 72, 101, 108, 108, 111]]).unwrap();
+    }
+    let after = matrices(&d.into_head().unwrap());
+    for (i, (a, b)) in before.iter().zip(&after).enumerate() {
+        assert!(a != b, "matrix {i} of the head's layer did not train");
+    }
 }
