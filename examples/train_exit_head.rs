@@ -67,8 +67,11 @@ struct Args {
     #[arg(long, default_value_t = 600)]
     steps: usize,
     /// Whole sequences are packed into one block per step up to this many tokens (a longer
-    /// sequence gets a step of its own; 0 = one sequence per step).
-    #[arg(long, default_value_t = 1024)]
+    /// sequence gets a step of its own; 0 = one sequence per step, the default). On a CPU a
+    /// packed step costs what its sequences cost one by one and takes fewer optimiser steps,
+    /// so it learns less per token (measured: 21.7% vs 27.0% held-out agreement after the
+    /// same 230 s); pack (e.g. 8192) where the device runs large blocks for little more.
+    #[arg(long, default_value_t = 0)]
     tokens_per_step: usize,
     /// Continue the run saved in `OUT.state.json` (same data, configuration and batches)
     /// instead of starting over (with no state saved yet, training starts from step 0; the
