@@ -10,6 +10,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use eesd::bandit::Policy;
 use eesd::core::DraftHead;
 use eesd::core::{Backend, GenerationConfig, Generator, Mode};
+use eesd::models::testing::values;
 use eesd::models::{AttentionContext, HeadKind, LayerHeadWeights, LoadOptions, LoadedModel, fetch};
 use eesd::models::{file_sha256, load_layer_head, read_metadata};
 
@@ -55,13 +56,6 @@ fn model_and_head() -> (
     )
     .unwrap();
     (lm, head, meta)
-}
-
-fn values(t: Tensor<2>) -> Vec<f32> {
-    t.into_data()
-        .convert::<f32>()
-        .try_into_vec::<f32>()
-        .unwrap()
 }
 
 #[test]

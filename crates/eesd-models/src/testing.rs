@@ -7,6 +7,8 @@ use std::path::Path;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
+use burn::tensor::Tensor;
+
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
 use crate::gguf::{GgufValue, GgufWriter};
@@ -238,4 +240,12 @@ pub fn write_tiny_hf_dir(dir: &Path, config: &LlamaConfig, seed: u64) -> Result<
         .to_string(false)
         .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
     write("tokenizer.json", json)
+}
+
+/// A tensor's values as f32 on the host (in tests, where a failure to read them is a bug).
+pub fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .expect("f32 tensor data")
 }

@@ -5,7 +5,7 @@ use std::ops::ControlFlow;
 use burn::tensor::Tensor;
 use eesd_bandit::Policy;
 use eesd_core::{Backend, DraftHead, GenerationConfig, Generator, Mode};
-use eesd_models::testing::{tiny_config, tiny_gguf_bytes};
+use eesd_models::testing::{tiny_config, tiny_gguf_bytes, values};
 use eesd_models::{
     AttentionContext, HeadKind, LayerHead, Llama, LoadOptions, LoadedModel, ModelError, VocabSubset,
 };
@@ -342,13 +342,6 @@ fn batched_answer_generation_equals_one_at_a_time_generation() {
         generate_answers(&model, prompts, &bad, |_, _| Ok(())),
         Err(TrainError::InvalidConfig(_))
     ));
-}
-
-fn values(t: Tensor<2>) -> Vec<f32> {
-    t.into_data()
-        .convert::<f32>()
-        .try_into_vec::<f32>()
-        .unwrap()
 }
 
 /// The student runs on the autodiff device through burn's operations (not the fused CPU
