@@ -642,4 +642,15 @@ fn a_head_from_a_quantized_model_trains_all_its_weights() {
     for (i, (a, b)) in before.iter().zip(&after).enumerate() {
         assert!(a != b, "matrix {i} of the head's layer did not train");
     }
+    // A head whose layer shares the model's frozen parameters is refused, not half-trained.
+    let shared = eesd_models::LayerHeadWeights {
+        layer: model.layers()[3].clone(),
+        norm: burn::module::Param::from_tensor(model.final_norm().clone()),
+        kind: HeadKind::Layer,
+    };
+    let head = LayerHead::from_weights(&model, 2, shared, None).unwrap();
+    assert!(matches!(
+        Distiller::new(&model, head, DistillConfig::default()),
+        Err(TrainError::InvalidConfig(_))
+    ));
 }
