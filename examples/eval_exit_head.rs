@@ -28,8 +28,8 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use eesd::SHIPPED_HEAD;
 use eesd::core::head_eval::{Agreement, teacher_forced_ranks};
-use eesd::core::{Backend, GenerationConfig, Generator};
-use eesd::models::{AnyHead, HeadMetadata, LoadedModel, NormHead, WeightDType, load_layer_head};
+use eesd::core::{GenerationConfig, Generator};
+use eesd::models::{AnyHead, HeadMetadata, LoadedModel, NormHead, load_layer_head};
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Parser, Debug)]
@@ -46,21 +46,14 @@ struct Args {
     /// Length of the greedy answers the heads are scored on.
     #[arg(long, default_value_t = 128)]
     max_new_tokens: usize,
-    /// Weights: native (the file's quantized blocks), f32, f16 or bf16.
-    #[arg(long, default_value = "native")]
-    dtype: WeightDType,
-    /// Model file or directory (default: the cached SmolLM2, fetched if absent).
-    #[arg(long)]
-    model: Option<PathBuf>,
-    /// Backend: flex, tch, tch-cuda, cuda or vulkan.
-    #[arg(long, default_value = "flex")]
-    device: Backend,
     /// Print one JSON object instead of tables.
     #[arg(long)]
     json: bool,
     /// Write an SVG of held-out agreement against training tokens seen (trained heads).
     #[arg(long)]
     svg: Option<PathBuf>,
+    #[command(flatten)]
+    model: bench_model::ModelArgs,
 }
 
 /// A head to evaluate, its exit layer and, for a trained head, its checkpoint metadata.
@@ -155,7 +148,7 @@ fn main() -> Result<()> {
         bail!("--heads names no head");
     }
     let questions = questions::load(&args.questions, args.per_category)?;
-    let (lm, path, sha) = bench_model::load(args.device, args.model.as_deref(), args.dtype)?;
+    let (lm, path, sha) = args.model.load()?;
     let candidates: Vec<Candidate> = args
         .heads
         .iter()
@@ -238,7 +231,7 @@ fn main() -> Result<()> {
         }
     }
     let report = serde_json::json!({
-        "model": path.display().to_string(), "dtype": format!("{:?}", args.dtype),
+        "model": path.display().to_string(), "dtype": format!("{:?}", args.model.dtype),
         "questions": questions.len(), "max_new_tokens": args.max_new_tokens, "heads": results,
     });
     if args.json {

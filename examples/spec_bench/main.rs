@@ -31,9 +31,9 @@ use clap::Parser;
 use eesd::SHIPPED_HEAD;
 use eesd::bandit::Policy;
 use eesd::core::drafters::DrafterSpec;
-use eesd::core::{Backend, GenerationConfig, GenerationOutput, Generator, Mode};
+use eesd::core::{GenerationConfig, GenerationOutput, Generator, Mode};
 use eesd::models::load_layer_head;
-use eesd::models::{AnyHead, Llama, LoadedModel, NormHead, WeightDType};
+use eesd::models::{AnyHead, Llama, LoadedModel, NormHead};
 use indicatif::{ProgressBar, ProgressStyle};
 use oracle::{BenchHead, Oracle};
 
@@ -45,9 +45,6 @@ struct Args {
     /// Questions per category (the first ones of each).
     #[arg(long, default_value_t = 2)]
     per_category: usize,
-    /// Weights: native (the file's quantized blocks), f32, f16 or bf16.
-    #[arg(long, default_value = "native")]
-    dtype: WeightDType,
     /// New tokens per answer.
     #[arg(long, default_value_t = 128)]
     max_new_tokens: usize,
@@ -62,18 +59,14 @@ struct Args {
         default_value = "shipped/cost-ts,shipped/calibrated-ts,shipped/beta-ts,shipped/threshold:0.6,shipped/fixed:1,shipped/fixed:2,shipped/fixed:4,norm@12/cost-ts"
     )]
     methods: Vec<String>,
-    /// Model file or directory (default: the cached SmolLM2, fetched if absent).
-    #[arg(long)]
-    model: Option<PathBuf>,
-    /// Backend: flex, tch, tch-cuda, cuda or vulkan.
-    #[arg(long, default_value = "flex")]
-    device: Backend,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
     /// Also write results.md and results.json into this directory.
     #[arg(long)]
     out: Option<PathBuf>,
+    #[command(flatten)]
+    model: bench_model::ModelArgs,
 }
 
 struct Method {
@@ -225,7 +218,7 @@ impl Totals {
 fn main() -> Result<()> {
     let args = Args::parse();
     let questions = questions::load(&args.questions, args.per_category)?;
-    let (lm, path, sha) = bench_model::load(args.device, args.model.as_deref(), args.dtype)?;
+    let (lm, path, sha) = args.model.load()?;
     let methods: Vec<Method> = args
         .methods
         .iter()
@@ -341,7 +334,7 @@ fn main() -> Result<()> {
         None => totals[0]["overall"].summary(&totals[0]["overall"]),
     };
     let report = serde_json::json!({
-        "model": path.display().to_string(), "device": args.device.name(), "dtype": args.dtype.name(),
+        "model": path.display().to_string(), "device": args.model.device.name(), "dtype": args.model.dtype.name(),
         "questions": questions.len(),
         "max_new_tokens": args.max_new_tokens, "overall": overall, "methods": per_method,
     });
