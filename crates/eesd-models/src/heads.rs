@@ -259,6 +259,15 @@ pub struct LayerHeadWeights {
 }
 
 impl LayerHeadWeights {
+    /// The weight matrices this head's kind runs (an adapter's MLP is neither run nor saved).
+    pub fn matrices(&self) -> Vec<&Param<Tensor<2>>> {
+        let l = &self.layer;
+        match self.kind {
+            HeadKind::Layer => vec![&l.wqkv, &l.wo, &l.w_gate_up, &l.w_down],
+            HeadKind::Adapter => vec![&l.wqkv, &l.wo],
+        }
+    }
+
     /// The head's hidden state for `hidden: [t, hidden]` (block, then the output norm), with
     /// the model's `rope` tables (on the weights' device) and `config`.
     pub fn forward(
@@ -280,14 +289,10 @@ impl LayerHeadWeights {
     }
 }
 
-/// The matrices of a head's `layer` that `kind` runs, quantized to Q8_0 blocks.
-fn quantized_q8_0(layer: &DecoderLayer, kind: HeadKind) -> Result<NativeWeights> {
+/// The matrices a head runs, quantized to Q8_0 blocks.
+fn quantized_q8_0(weights: &LayerHeadWeights) -> Result<NativeWeights> {
     let mut native = NativeWeights::default();
-    let mut matrices = vec![&layer.wqkv, &layer.wo];
-    if kind == HeadKind::Layer {
-        matrices.extend([&layer.w_gate_up, &layer.w_down]);
-    }
-    for w in matrices {
+    for w in weights.matrices() {
         let t = w.val();
         let [out, k] = t.dims();
         let values = t
@@ -370,7 +375,7 @@ impl LayerHead {
     ) -> Result<Self> {
         let quantized_model = model.layers().iter().any(|l| l.native.bytes() > 0);
         weights.layer.native = match quantized_model {
-            true => quantized_q8_0(&weights.layer, weights.kind)?,
+            true => quantized_q8_0(&weights)?,
             false => NativeWeights::default(),
         };
         Ok(LayerHead {

@@ -15,7 +15,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use eesd_models::cpu::PackedCache;
 use eesd_models::layer::{AttentionContext, linear};
 use eesd_models::rope::Rope;
-use eesd_models::{HeadKind, LayerHead, LayerHeadWeights, Llama, VocabSubset};
+use eesd_models::{LayerHead, LayerHeadWeights, Llama, VocabSubset};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
@@ -270,12 +270,11 @@ impl<'m> Distiller<'m> {
         let weights = head.into_weights().fork(&train_device).train();
         // A layer shared with a model holding native weights has lazy, frozen parameters:
         // training would silently update nothing but the norm gain.
-        let l = &weights.layer;
-        let mut matrices = vec![&l.wqkv, &l.wo];
-        if weights.kind == HeadKind::Layer {
-            matrices.extend([&l.w_gate_up, &l.w_down]);
-        }
-        if matrices.iter().any(|w| !w.val().is_require_grad()) {
+        if weights
+            .matrices()
+            .iter()
+            .any(|w| !w.val().is_require_grad())
+        {
             return Err(TrainError::InvalidConfig(
                 "the head's weights are frozen (parameters shared with the model?); build it \
                  with LayerHead::from_model or load it from a checkpoint"
