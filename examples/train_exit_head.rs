@@ -297,9 +297,7 @@ fn main() -> Result<()> {
             if done % args.eval_every == 0 && done < run.total() {
                 let metrics = run.distiller.evaluate(held_out, EVAL_K)?;
                 bar.suspend(|| eprintln!("layer {} step {done}: {metrics:?}", run.exit_layer));
-                run.history.push(serde_json::json!({
-                    "step": done, "tokens_seen": tokens_seen(done), "train_loss": smooth, "eval": metrics,
-                }));
+                run.record(done, tokens_seen(done), &metrics);
             }
             if args.save_every > 0 && done % args.save_every == 0 && done < run.total() {
                 run.save(started)?;
@@ -326,9 +324,7 @@ fn main() -> Result<()> {
             .unwrap_or(true)
         {
             eprintln!("layer {} step {total}: {after:?}", run.exit_layer);
-            run.history.push(serde_json::json!({
-                "step": total, "tokens_seen": tokens_seen(total), "train_loss": run.running, "eval": after,
-            }));
+            run.record(total, tokens_seen(total), &after);
         }
         run.save(started)?;
         let config = run.distiller.config().clone();
@@ -426,6 +422,14 @@ impl<'m> HeadRun<'m> {
             seconds_before,
             running: None,
         })
+    }
+
+    /// Adds an evaluation after `step` steps (`tokens_seen` training tokens) to the history,
+    /// with the smoothed training loss.
+    fn record(&mut self, step: usize, tokens_seen: usize, eval: &EvalMetrics) {
+        self.history.push(serde_json::json!({
+            "step": step, "tokens_seen": tokens_seen, "train_loss": self.running, "eval": eval,
+        }));
     }
 
     /// Steps this head trains for (a resumed run keeps its saved configuration).
