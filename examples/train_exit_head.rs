@@ -41,10 +41,14 @@ struct Args {
     /// pass per step, each written to `OUT-lN` (one layer: `OUT`).
     #[arg(long, value_delimiter = ',', default_value = "6")]
     exit_layer: Vec<usize>,
-    /// Head kind: `layer` (EESD, a whole decoder layer) or `adapter` (Kangaroo, attention only).
+    /// Head kind: `layer` (EESD, a whole decoder layer), `adapter` (Kangaroo, attention only)
+    /// or `lookahead` (EAGLE-style input: a position's layer-N state and the next token's
+    /// embedding; drafts the first level of trees, `spec_bench --methods opt@8+OUT`; its
+    /// layer N may be the last one).
     #[arg(long, default_value = "layer")]
     head: HeadKind,
-    /// Model layer whose weights initialise each head's layer (default: its N).
+    /// Model layer whose weights initialise each head's layer (default: its N, or the last
+    /// layer for a lookahead head reading layer L).
     #[arg(long)]
     init_layer: Option<usize>,
     /// Draft vocabulary size (0 = full vocabulary).
@@ -104,6 +108,11 @@ struct Args {
     /// Output prefix.
     #[arg(long, default_value = "heads/smollm2-head")]
     out: PathBuf,
+}
+
+/// The model layer a head for exit layer `n` starts from.
+fn init_layer(args: &Args, m: &Llama, n: usize) -> usize {
+    args.init_layer.unwrap_or(n.min(m.num_layers() - 1))
 }
 
 /// One line of `OUT.data.jsonl`: a prompt's index in the prompt file and the sequence.
@@ -328,7 +337,7 @@ fn main() -> Result<()> {
         }
         run.save(started)?;
         let config = run.distiller.config().clone();
-        let init = args.init_layer.unwrap_or(run.exit_layer);
+        let init = init_layer(&args, m, run.exit_layer);
         let (out, before, history) = (run.out, run.before, run.history);
         let seconds = run.seconds_before + started.elapsed().as_secs_f64();
         let head = run.distiller.into_head()?;
@@ -406,7 +415,7 @@ impl<'m> HeadRun<'m> {
             let seconds = extra["seconds"].as_f64().unwrap_or(0.0);
             (d, before, history, seconds)
         } else {
-            let init = args.init_layer.unwrap_or(exit_layer);
+            let init = init_layer(args, m, exit_layer);
             let head = LayerHead::from_model(m, args.head, exit_layer, init, subset)?;
             let d = Distiller::new(m, head, config.clone())?;
             let before = d.evaluate(held_out, EVAL_K)?;

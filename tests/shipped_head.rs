@@ -91,6 +91,7 @@ fn shipped_head_drafts_from_quantized_blocks_like_its_dense_weights() {
         let dense = LayerHeadWeights {
             layer: head.weights().layer.clone(),
             norm: head.weights().norm.clone(),
+            fuse: None,
             kind: head.kind(),
         };
         assert_eq!(dense.layer.native.bytes(), 0);

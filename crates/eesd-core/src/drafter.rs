@@ -7,6 +7,9 @@
 //! [`Drafter::observe`]. Drafters in this crate cost microseconds per round; see
 //! [`crate::drafters`].
 
+use burn::tensor::Tensor;
+
+use crate::error::Result;
 use crate::tree::DraftTree;
 
 /// Proposes draft trees and learns from verification.
@@ -45,6 +48,30 @@ pub trait Drafter {
     fn round_time(&mut self, rows: usize, seconds: f64) {
         let _ = (rows, seconds);
     }
+
+    /// The layer whose hidden states this drafter reads ([`Drafter::features`]), in
+    /// `1..=num_layers`; `None` (the default) for drafters that read tokens only.
+    fn feature_layer(&self) -> Option<usize> {
+        None
+    }
+
+    /// Newly committed positions `position..position + t`: `hidden: [t, hidden]` their states
+    /// after [`Drafter::feature_layer`] and `next[i]` the token that follows position
+    /// `position + i` (the last one is the next round's root). Called only when a feature
+    /// layer is named: at prefill for every prompt position but the last (`position` 0: a new
+    /// sequence), then after each round for the rows it kept.
+    fn features(&mut self, position: usize, hidden: Tensor<2>, next: &[u32]) -> Result<()> {
+        let _ = (position, hidden, next);
+        Ok(())
+    }
+
+    /// Candidate children of the next root from another source (a lookahead head), best first,
+    /// with that source's probabilities, for the next [`Drafter::propose`] only. Returns
+    /// whether this drafter weighs them into its tree (the default ignores them).
+    fn suggest(&mut self, children: &[(u32, f64)]) -> bool {
+        let _ = children;
+        false
+    }
 }
 
 impl<D: Drafter + ?Sized> Drafter for Box<D> {
@@ -65,6 +92,15 @@ impl<D: Drafter + ?Sized> Drafter for Box<D> {
     }
     fn round_time(&mut self, rows: usize, seconds: f64) {
         (**self).round_time(rows, seconds)
+    }
+    fn feature_layer(&self) -> Option<usize> {
+        (**self).feature_layer()
+    }
+    fn features(&mut self, position: usize, hidden: Tensor<2>, next: &[u32]) -> Result<()> {
+        (**self).features(position, hidden, next)
+    }
+    fn suggest(&mut self, children: &[(u32, f64)]) -> bool {
+        (**self).suggest(children)
     }
 }
 

@@ -14,7 +14,7 @@ use crate::generate::{
 };
 use crate::model::{DraftHead, DraftLogits, LayeredModel};
 use crate::sampling::{Sampler, SamplingParams, argmax};
-use crate::tree::DraftTree;
+use crate::tree::{DraftTree, TreeMask};
 
 /// The head type of a generator without an exit head (AR only). It has no values.
 #[derive(Debug, Clone, Copy)]
@@ -450,8 +450,23 @@ fn run_tree<M: LayeredModel, F: FnMut(&[u32]) -> ControlFlow<()>>(
     let mut cache = m.new_cache();
     let start = Instant::now();
     let p = prompt.len();
+    // A drafter that reads hidden states (a lookahead head) gets every committed position's
+    // state after its layer: verification runs layers [0, N) and [N, L) as two passes.
+    let feature = drafter.feature_layer();
+    if let Some(n) = feature.filter(|&n| n == 0 || n > all.end) {
+        return Err(CoreError::InvalidConfig(format!(
+            "drafter {} reads layer {n} of a model of {} layers",
+            drafter.name(),
+            all.end
+        )));
+    }
+    let split = feature.unwrap_or(all.end);
     if p > 1 {
-        let h = forward_tokens(m, &prompt[..p - 1], all.clone(), &mut cache)?;
+        let states = forward_tokens(m, &prompt[..p - 1], 0..split, &mut cache)?;
+        if feature.is_some() {
+            drafter.features(0, states.clone(), &prompt[1..])?;
+        }
+        let h = rest_of_layers(m, states, split, &mut cache, None)?;
         if wanted > 0 {
             // What the target expects after the last prompt tokens seeds the drafter.
             let seen = (p - 1).min(PREFILL_OBSERVED_ROWS);
@@ -492,14 +507,16 @@ fn run_tree<M: LayeredModel, F: FnMut(&[u32]) -> ControlFlow<()>>(
         let verify_start = Instant::now();
         let mut tokens = vec![context[first]];
         tokens.extend_from_slice(tree.tokens());
-        let h = m
+        let mask = tree.mask();
+        let states = m
             .forward_tree(
                 m.embed(&tokens).map_err(model_err)?,
-                all.clone(),
+                0..split,
                 &mut cache,
-                &tree.mask(),
+                &mask,
             )
             .map_err(model_err)?;
+        let h = rest_of_layers(m, states.clone(), split, &mut cache, Some(&mask))?;
         let target = rows(host(m.logits(h))?, vocab);
         let verdict = match params.is_greedy() {
             true => accept_tree(&tree, |row| argmax(&target[row]) as u32),
@@ -526,13 +543,19 @@ fn run_tree<M: LayeredModel, F: FnMut(&[u32]) -> ControlFlow<()>>(
                 observe_row(drafter, token, row, ids);
             }
         }
+        let mut block: Vec<u32> = verdict.path.iter().map(|&n| tree.tokens()[n]).collect();
+        block.push(verdict.next);
+        if feature.is_some() && out.remaining() > block.len() {
+            // The kept rows' states, each with the token now following it (a drafting cost:
+            // counted in the round's draft time and in its time for `RoundCost`).
+            let kept_states = kept.iter().map(|&r| states.clone().narrow(0, r, 1));
+            drafter.features(first, Tensor::cat(kept_states.collect(), 0), &block)?;
+        }
         stats.draft_seconds += draft_seconds + observe_start.elapsed().as_secs_f64();
         stats.verify_seconds += verify_seconds;
         stats.record_round(tree.len(), verdict.path.len());
         drafter.round_time(tree.len() + 1, draft_start.elapsed().as_secs_f64());
 
-        let mut block: Vec<u32> = verdict.path.iter().map(|&n| tree.tokens()[n]).collect();
-        block.push(verdict.next);
         if let Some(reason) = out.emit(&block) {
             break reason;
         }
@@ -546,6 +569,26 @@ fn run_tree<M: LayeredModel, F: FnMut(&[u32]) -> ControlFlow<()>>(
 fn observe_row(drafter: &mut dyn Drafter, token: u32, row: &[f32], ids: &[u32]) {
     let logits: Vec<f32> = ids.iter().map(|&t| row[t as usize]).collect();
     drafter.observe(token, ids, &logits);
+}
+
+/// Layers `[split, L)` on `states` (the output of layer `split`; unchanged when `split` is the
+/// last layer), as a tree block when `mask` is given.
+fn rest_of_layers<M: LayeredModel>(
+    m: &M,
+    states: Tensor<2>,
+    split: usize,
+    cache: &mut M::Cache,
+    mask: Option<&TreeMask>,
+) -> Result<Tensor<2>> {
+    let layers = split..m.num_layers();
+    if layers.is_empty() {
+        return Ok(states);
+    }
+    match mask {
+        Some(mask) => m.forward_tree(states, layers, cache, mask),
+        None => m.forward_layers(states, layers, cache),
+    }
+    .map_err(model_err)
 }
 
 /// Token ids through `layers`: their hidden states after the last of them, with those layers'

@@ -32,6 +32,6 @@ pub use eesd_bandit as bandit;
 pub use error::{CoreError, Result};
 pub use generate::{GenerationConfig, GenerationOutput, GenerationStats, Mode, StopReason};
 pub use generator::{Generator, NoHead};
-pub use model::{DraftHead, DraftLogits, LayeredModel};
+pub use model::{DraftHead, DraftLogits, LayeredModel, LookaheadHead};
 pub use sampling::{Sampler, SamplingParams, argmax};
 pub use tree::{DraftTree, TreeMask};

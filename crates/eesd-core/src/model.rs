@@ -106,3 +106,34 @@ pub trait DraftHead<M: LayeredModel> {
     /// Forgets positions `len..`.
     fn truncate(&self, cache: &mut Self::Cache, len: usize);
 }
+
+/// A lookahead head (EAGLE-style input): from the layer-N hidden state of a verified position
+/// and the token that follows it, it drafts the token after that.
+///
+/// Verification computes every row's layer-N state, so when a round's target token becomes
+/// the next root, the head already has what it needs to draft the root's children: its cost is
+/// the head alone, with no pass through layers `[0, N)` for the root as a chain head needs. N
+/// may be the last layer (`feature_layer() == num_layers()`: the state before the final norm).
+pub trait LookaheadHead<M: LayeredModel> {
+    /// The head's own state (a KV cache when it has attention).
+    type Cache;
+
+    /// The layer whose output the head reads, in `1..=num_layers()`.
+    fn feature_layer(&self) -> usize;
+    /// A fresh head state.
+    fn new_cache(&self, model: &M) -> Self::Cache;
+    /// Appends consecutive committed positions to the head's state: `hidden: [t, hidden]`
+    /// their layer-N states and `next[i]` the token that follows position `i`. Returns the
+    /// draft logits `[1, n]` for the token after `next[t - 1]`.
+    fn lookahead(
+        &self,
+        model: &M,
+        hidden: Tensor<2>,
+        next: &[u32],
+        cache: &mut Self::Cache,
+    ) -> Result<DraftLogits, M::Error>;
+    /// Positions the head has cached.
+    fn cached_len(&self, cache: &Self::Cache) -> usize;
+    /// Forgets positions `len..`.
+    fn truncate(&self, cache: &mut Self::Cache, len: usize);
+}

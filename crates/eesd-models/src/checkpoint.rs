@@ -102,7 +102,8 @@ pub fn checkpoint_paths(prefix: &Path) -> (PathBuf, PathBuf) {
     )
 }
 
-/// The tensors a head of this kind saves (an adapter has no MLP).
+/// The tensors a head of this kind saves (an adapter has no MLP, only a lookahead head has an
+/// input fusion).
 fn tensors_of(w: &LayerHeadWeights) -> Vec<(&'static str, Tensor<2>)> {
     let l = &w.layer;
     let row = |t: Tensor<1>| t.unsqueeze_dim::<2>(0);
@@ -112,10 +113,13 @@ fn tensors_of(w: &LayerHeadWeights) -> Vec<(&'static str, Tensor<2>)> {
         ("layer.wo", l.wo.val()),
         ("norm", row(w.norm.val())),
     ];
-    if w.kind == HeadKind::Layer {
+    if w.kind != HeadKind::Adapter {
         tensors.push(("layer.mlp_norm", row(l.mlp_norm.val())));
         tensors.push(("layer.w_gate_up", l.w_gate_up.val()));
         tensors.push(("layer.w_down", l.w_down.val()));
+    }
+    if let Some(fuse) = &w.fuse {
+        tensors.push(("fuse", fuse.val()));
     }
     tensors
 }
@@ -179,6 +183,8 @@ pub fn read_metadata(prefix: &Path) -> Result<HeadMetadata> {
 
 /// Refuses a head trained for another residual width, an exit layer the model does not have, or
 /// (when recorded) a model of another depth (checked again when training resumes from a state).
+/// Layer L itself passes here: lookahead heads may read it ([`LayerHead::from_weights`] checks
+/// the layer against the head's kind).
 pub fn ensure_fits(
     model: &Llama,
     hidden_size: usize,
@@ -189,7 +195,7 @@ pub fn ensure_fits(
     if hidden_size != c.hidden_size
         || num_layers.is_some_and(|n| n != c.num_layers)
         || exit_layer == 0
-        || exit_layer >= c.num_layers
+        || exit_layer > c.num_layers
     {
         let depth = num_layers.map_or(String::new(), |n| format!(" of a {n}-layer model"));
         return Err(ModelError::HeadMismatch(format!(
@@ -211,7 +217,7 @@ pub fn load_layer_head(
     let kind = meta.head_kind.parse::<HeadKind>();
     if meta.format_version != FORMAT_VERSION || kind.is_err() {
         return Err(ModelError::HeadMismatch(format!(
-            "checkpoint is a `{}` head of format {}, expected a `layer` or `adapter` head of format {FORMAT_VERSION}",
+            "checkpoint is a `{}` head of format {}, expected a `layer`, `adapter` or `lookahead` head of format {FORMAT_VERSION}",
             meta.head_kind, meta.format_version
         )));
     }
@@ -232,11 +238,15 @@ pub fn load_layer_head(
         reason,
     };
     let st = SafeTensors::deserialize(&bytes).map_err(|e| malformed(e.to_string()))?;
-    let template = &model.layers()[meta.exit_layer];
+    // Any layer has the shapes of the head's (a lookahead head may read the last layer).
+    let template = &model.layers()[0];
     let kind = kind?;
+    let d = c.hidden_size;
     let expected: BTreeMap<&str, Vec<usize>> = tensors_of(&LayerHeadWeights {
         layer: template.clone(),
         norm: Param::from_tensor(model.final_norm().clone()),
+        fuse: (kind == HeadKind::Lookahead)
+            .then(|| Param::from_tensor(Tensor::zeros([d, 2 * d], model.device()))),
         kind,
     })
     .into_iter()
@@ -282,14 +292,19 @@ pub fn load_layer_head(
         packed: PackedCache::default(),
         ..template.clone()
     };
-    if kind == HeadKind::Layer {
+    if kind != HeadKind::Adapter {
         layer.mlp_norm = Param::from_tensor(flat(read("layer.mlp_norm")?));
         layer.w_gate_up = Param::from_tensor(read("layer.w_gate_up")?);
         layer.w_down = Param::from_tensor(read("layer.w_down")?);
     }
+    let fuse = match kind {
+        HeadKind::Lookahead => Some(Param::from_tensor(read("fuse")?)),
+        _ => None,
+    };
     let weights = LayerHeadWeights {
         layer,
         norm: Param::from_tensor(flat(read("norm")?)),
+        fuse,
         kind,
     };
     let subset = meta

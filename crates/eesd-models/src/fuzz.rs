@@ -399,7 +399,11 @@ pub fn seeds(target: &str, real_gguf: Option<&[u8]>) -> crate::Result<Vec<(Strin
             let dir = scratch_dir("seed-head").ok_or_else(|| {
                 crate::ModelError::InvalidArgument("no temporary directory for seeds".into())
             })?;
-            for kind in [crate::HeadKind::Layer, crate::HeadKind::Adapter] {
+            for kind in [
+                crate::HeadKind::Layer,
+                crate::HeadKind::Adapter,
+                crate::HeadKind::Lookahead,
+            ] {
                 let subset = crate::VocabSubset::new((0..64).collect(), model.config().vocab_size)?;
                 let head = crate::LayerHead::from_model(&model, kind, 1, 1, Some(&subset))?;
                 let metadata = crate::HeadMetadata {

@@ -2,7 +2,10 @@
 //!
 //! - [`NormHead`]: the model's own final norm + LM head (parameter-free, any layer).
 //! - [`LayerHead`]: one decoder layer of its own (initialised from a copy of a model layer),
-//!   a norm, and the model's LM head — the EESD early-exiting layer.
+//!   a norm, and the model's LM head — the EESD early-exiting layer. Of kind
+//!   [`HeadKind::Lookahead`] it also reads the embedding of the token that follows its input
+//!   position (EAGLE-style input) and drafts the token after that, for draft trees
+//!   ([`eesd_core::LookaheadHead`]).
 //!
 //! Any head can project onto a [`VocabSubset`] instead of the whole vocabulary: on
 //! SmolLM2-135M the 49,152 × 576 LM head is 21% of all weights, so a full-vocabulary draft costs
@@ -13,7 +16,7 @@ use std::sync::Arc;
 
 use burn::module::{Module, Param};
 use burn::tensor::{DType, Int, Tensor, TensorData};
-use eesd_core::{DraftHead, DraftLogits};
+use eesd_core::{DraftHead, DraftLogits, LookaheadHead};
 
 use crate::cache::LayerCache;
 use crate::config::LlamaConfig;
@@ -218,14 +221,22 @@ pub enum HeadKind {
     /// Kangaroo's adapter: the attention half only (its norm, q/k/v and output projections),
     /// about a quarter of a layer's weights, so drafting streams less memory per token.
     Adapter,
+    /// EAGLE-style input: the layer-N state of a verified position and the embedding of the
+    /// token after it, each RMS-normalised and fused by a learnt `[hidden, 2·hidden]` matrix,
+    /// then a whole decoder layer; it drafts the token after next. Verification computes the
+    /// layer-N states of every row anyway, so the first draft of a round costs only the head
+    /// (no pass through layers `[0, N)` for the new root), and N may be the last layer.
+    Lookahead,
 }
 
 impl HeadKind {
-    /// The name used in checkpoints and on the command line (`layer`, `adapter`).
+    /// The name used in checkpoints and on the command line (`layer`, `adapter`,
+    /// `lookahead`).
     pub fn name(self) -> &'static str {
         match self {
             HeadKind::Layer => "layer",
             HeadKind::Adapter => "adapter",
+            HeadKind::Lookahead => "lookahead",
         }
     }
 }
@@ -237,8 +248,9 @@ impl std::str::FromStr for HeadKind {
         match s {
             "layer" => Ok(HeadKind::Layer),
             "adapter" => Ok(HeadKind::Adapter),
+            "lookahead" => Ok(HeadKind::Lookahead),
             other => Err(ModelError::InvalidArgument(format!(
-                "unknown head kind `{other}` (expected `layer` or `adapter`)"
+                "unknown head kind `{other}` (expected `layer`, `adapter` or `lookahead`)"
             ))),
         }
     }
@@ -253,7 +265,10 @@ pub struct LayerHeadWeights {
     pub layer: DecoderLayer,
     /// RMSNorm gain before the (shared, frozen) LM head.
     pub norm: Param<Tensor<1>>,
-    /// Whole layer or attention-only adapter.
+    /// A lookahead head's input fusion `[hidden, 2·hidden]` (applied to the normalised layer-N
+    /// state and next-token embedding, concatenated); `None` for the other kinds.
+    pub fuse: Option<Param<Tensor<2>>>,
+    /// Whole layer, attention-only adapter or lookahead.
     #[module(skip)]
     pub kind: HeadKind,
 }
@@ -262,14 +277,36 @@ impl LayerHeadWeights {
     /// The weight matrices this head's kind runs (an adapter's MLP is neither run nor saved).
     pub fn matrices(&self) -> Vec<&Param<Tensor<2>>> {
         let l = &self.layer;
-        match self.kind {
-            HeadKind::Layer => vec![&l.wqkv, &l.wo, &l.w_gate_up, &l.w_down],
+        let mut matrices = match self.kind {
+            HeadKind::Layer | HeadKind::Lookahead => vec![&l.wqkv, &l.wo, &l.w_gate_up, &l.w_down],
             HeadKind::Adapter => vec![&l.wqkv, &l.wo],
-        }
+        };
+        matrices.extend(self.fuse.as_ref());
+        matrices
+    }
+
+    /// A lookahead head's layer input for `hidden: [t, hidden]` (layer-N states) and `next:
+    /// [t, hidden]` (embeddings of the token after each): both RMS-normalised (their scales
+    /// differ by orders of magnitude across layers), concatenated and fused.
+    pub fn fused_input(&self, hidden: Tensor<2>, next: Tensor<2>, eps: f64) -> Result<Tensor<2>> {
+        let fuse = self.fuse.as_ref().ok_or_else(|| {
+            ModelError::InvalidArgument(format!(
+                "a `{}` head has no input fusion; only lookahead heads read next tokens",
+                self.kind.name()
+            ))
+        })?;
+        let unit = |x: Tensor<2>| {
+            let rms = x.clone().square().mean_dim(1).add_scalar(eps).sqrt();
+            x.div(rms)
+        };
+        Ok(self
+            .layer
+            .project(Tensor::cat(vec![unit(hidden), unit(next)], 1), fuse))
     }
 
     /// The head's hidden state for `hidden: [t, hidden]` (block, then the output norm), with
-    /// the model's `rope` tables (on the weights' device) and `config`.
+    /// the model's `rope` tables (on the weights' device) and `config`. For a lookahead head
+    /// `hidden` is its fused input ([`LayerHeadWeights::fused_input`]).
     pub fn forward(
         &self,
         hidden: Tensor<2>,
@@ -280,7 +317,9 @@ impl LayerHeadWeights {
     ) -> Result<Tensor<2>> {
         let (c, limit) = (config, config.context_length);
         let h = match self.kind {
-            HeadKind::Layer => self.layer.forward(hidden, rope, ctx, cache, limit)?,
+            HeadKind::Layer | HeadKind::Lookahead => {
+                self.layer.forward(hidden, rope, ctx, cache, limit)?
+            }
             HeadKind::Adapter => self
                 .layer
                 .forward_attention_only(hidden, rope, ctx, cache, limit)?,
@@ -338,7 +377,9 @@ pub struct LayerHead {
 impl LayerHead {
     /// A head of `kind` for exit layer `n`, initialised from a copy of model layer `init_from`
     /// and the model's final norm. The copy is the head's own: dense f32 parameters that
-    /// training updates, whatever format the model holds its layer in.
+    /// training updates, whatever format the model holds its layer in. A lookahead head may
+    /// read the last layer (`n` = L); its fusion starts as `[I | I]` (the sum of the two
+    /// normalised inputs).
     pub fn from_model(
         model: &Llama,
         kind: HeadKind,
@@ -347,14 +388,26 @@ impl LayerHead {
         subset: Option<&VocabSubset>,
     ) -> Result<Self> {
         let layers = model.num_layers();
-        if n == 0 || n >= layers || init_from >= layers {
+        let last_exit = match kind {
+            HeadKind::Lookahead => layers,
+            _ => layers - 1,
+        };
+        if n == 0 || n > last_exit || init_from >= layers {
             return Err(ModelError::InvalidArgument(format!(
-                "exit layer {n} / init layer {init_from} out of range for {layers} layers"
+                "exit layer {n} / init layer {init_from} out of range for a `{}` head of a \
+                 model of {layers} layers",
+                kind.name()
             )));
         }
+        let fuse = (kind == HeadKind::Lookahead).then(|| {
+            let d = model.config().hidden_size;
+            let eye = Tensor::<2>::eye(d, model.device());
+            Param::from_tensor(Tensor::cat(vec![eye.clone(), eye], 1))
+        });
         let weights = LayerHeadWeights {
             layer: trainable_copy(&model.layers()[init_from]),
             norm: Param::from_tensor(model.final_norm().clone()),
+            fuse,
             kind,
         };
         Self::from_weights(model, n, weights, subset)
@@ -373,6 +426,30 @@ impl LayerHead {
         mut weights: LayerHeadWeights,
         subset: Option<&VocabSubset>,
     ) -> Result<Self> {
+        let d = model.config().hidden_size;
+        match (weights.kind, weights.fuse.as_ref().map(|f| f.val().dims())) {
+            (HeadKind::Lookahead, Some(dims)) if dims == [d, 2 * d] => {}
+            (HeadKind::Layer | HeadKind::Adapter, None) => {}
+            (kind, dims) => {
+                return Err(ModelError::InvalidArgument(format!(
+                    "a `{}` head with input fusion {dims:?} (a lookahead head needs [{d}, {}], \
+                     the others none)",
+                    kind.name(),
+                    2 * d
+                )));
+            }
+        }
+        let last_exit = match weights.kind {
+            HeadKind::Lookahead => model.num_layers(),
+            _ => model.num_layers() - 1,
+        };
+        if n == 0 || n > last_exit {
+            return Err(ModelError::InvalidArgument(format!(
+                "exit layer {n} out of range for a `{}` head of a model of {} layers",
+                weights.kind.name(),
+                model.num_layers()
+            )));
+        }
         let quantized_model = model.layers().iter().any(|l| l.native.bytes() > 0);
         weights.layer.native = match quantized_model {
             true => quantized_q8_0(&weights)?,
@@ -419,6 +496,58 @@ impl LayerHead {
         let ctx = AttentionContext::for_config(model.rope(), c, past, hidden.dims()[0]);
         self.weights.forward(hidden, model.rope(), &ctx, cache, c)
     }
+
+    /// A chain head's refusal to run as a lookahead head and the other way round.
+    fn wrong_kind(&self, wanted: &str) -> ModelError {
+        ModelError::InvalidArgument(format!(
+            "a `{}` head cannot draft {wanted}",
+            self.weights.kind.name()
+        ))
+    }
+}
+
+impl LookaheadHead<Llama> for LayerHead {
+    type Cache = LayerCache;
+
+    fn feature_layer(&self) -> usize {
+        self.exit_layer
+    }
+
+    fn new_cache(&self, _: &Llama) -> LayerCache {
+        LayerCache::new()
+    }
+
+    fn lookahead(
+        &self,
+        model: &Llama,
+        hidden: Tensor<2>,
+        next: &[u32],
+        cache: &mut LayerCache,
+    ) -> Result<DraftLogits> {
+        if self.weights.kind != HeadKind::Lookahead {
+            return Err(self.wrong_kind("from next tokens (a `lookahead` head does)"));
+        }
+        if hidden.dims()[0] != next.len() || next.is_empty() {
+            return Err(ModelError::InvalidArgument(format!(
+                "lookahead over {} states and {} next tokens",
+                hidden.dims()[0],
+                next.len()
+            )));
+        }
+        let eps = model.config().rms_norm_eps;
+        let input = self.weights.fused_input(hidden, model.embed(next)?, eps)?;
+        let h = self.hidden(model, input, Some(cache))?;
+        let rows = h.dims()[0];
+        Ok(self.projection.logits(h.narrow(0, rows - 1, 1)))
+    }
+
+    fn cached_len(&self, cache: &LayerCache) -> usize {
+        cache.len()
+    }
+
+    fn truncate(&self, cache: &mut LayerCache, len: usize) {
+        cache.truncate(len);
+    }
 }
 
 impl DraftHead<Llama> for LayerHead {
@@ -438,12 +567,18 @@ impl DraftHead<Llama> for LayerHead {
         hidden: Tensor<2>,
         cache: &mut LayerCache,
     ) -> Result<DraftLogits> {
+        if self.weights.kind == HeadKind::Lookahead {
+            return Err(self.wrong_kind("chains (it drafts trees: `opt@B+HEAD`)"));
+        }
         Ok(self
             .projection
             .logits(self.hidden(model, hidden, Some(cache))?))
     }
 
     fn extend(&self, model: &Llama, hidden: Tensor<2>, cache: &mut LayerCache) -> Result<()> {
+        if self.weights.kind == HeadKind::Lookahead {
+            return Err(self.wrong_kind("chains (it drafts trees: `opt@B+HEAD`)"));
+        }
         self.hidden(model, hidden, Some(cache)).map(drop)
     }
 
@@ -487,7 +622,9 @@ impl DraftHead<Llama> for AnyHead {
     fn new_cache(&self, model: &Llama) -> AnyHeadCache {
         match self {
             AnyHead::Norm(h) => AnyHeadCache::Norm(h.new_cache(model)),
-            AnyHead::Layer(h) => AnyHeadCache::Layer(Box::new(h.new_cache(model))),
+            AnyHead::Layer(h) => {
+                AnyHeadCache::Layer(Box::new(DraftHead::new_cache(h.as_ref(), model)))
+            }
         }
     }
 

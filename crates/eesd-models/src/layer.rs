@@ -383,7 +383,7 @@ impl DecoderLayer {
     }
 
     /// `x · wᵀ` for one of this layer's weights.
-    fn project(&self, x: Tensor<2>, w: &Param<Tensor<2>>) -> Tensor<2> {
+    pub(crate) fn project(&self, x: Tensor<2>, w: &Param<Tensor<2>>) -> Tensor<2> {
         if let Some(y) = self.native.get(w).and_then(|q| quant_linear(&x, q)) {
             return y;
         }

@@ -10,9 +10,9 @@ mod common;
 use std::ops::ControlFlow;
 
 use common::*;
-use eesd_core::drafters::DrafterSpec;
+use eesd_core::drafters::{DrafterSpec, HeadDrafter};
 use eesd_core::{GenerationConfig, GenerationOutput, Generator, Mode};
-use eesd_models::Llama;
+use eesd_models::{HeadKind, LayerHead, Llama};
 
 const DRAFTERS: [&str; 6] = [
     "recycle@16",
@@ -93,5 +93,52 @@ fn greedy_tree_speculation_is_token_identical_to_ar_on_spec_bench() {
     let floor = 100 * identity_tokens() / 128;
     for ((name, _), a) in gens.iter().zip(&accepted) {
         assert!(*a > floor, "{name} accepted only {a} drafts");
+    }
+}
+
+/// Trees with a lookahead head's drafts (an untrained one: only how often drafts land can
+/// change, never the tokens), reading a middle layer and the last one: the verification pass
+/// split at the head's layer keeps greedy output identical to AR on the real model.
+#[test]
+fn greedy_trees_with_a_lookahead_head_are_token_identical_to_ar() {
+    let m = model();
+    let layers = m.model.num_layers();
+    let vocab = m.model.config().vocab_size;
+    let mut ar_gen = Generator::new(&m.model);
+    let heads: Vec<LayerHead> = [6, layers]
+        .iter()
+        .map(|&n| {
+            LayerHead::from_model(&m.model, HeadKind::Lookahead, n, n.min(layers - 1), None)
+                .unwrap()
+        })
+        .collect();
+    let mut gens: Vec<_> = heads
+        .iter()
+        .map(|head| {
+            let inner = "opt@8".parse::<DrafterSpec>().unwrap().build(vocab);
+            Generator::new(&m.model).with_drafter(HeadDrafter::new(&m.model, head, inner))
+        })
+        .collect();
+    for q in spec_bench(4) {
+        let prompt = m.chat_prompt(&q.turns[0]).unwrap();
+        let base = greedy_config(identity_tokens());
+        let ar = ar_gen
+            .generate(&prompt, &base, |_| ControlFlow::Continue(()))
+            .unwrap();
+        for (head, g) in heads.iter().zip(&mut gens) {
+            let out = g
+                .generate(&prompt, &tree_config(&base, "opt@8"), |_| {
+                    ControlFlow::Continue(())
+                })
+                .unwrap();
+            assert_eq!(
+                out.tokens,
+                ar.tokens,
+                "question {} ({}), head at layer {}",
+                q.question_id,
+                q.category,
+                eesd_core::LookaheadHead::feature_layer(head)
+            );
+        }
     }
 }

@@ -8,12 +8,12 @@ mod common;
 use std::ops::ControlFlow;
 
 use common::{assert_same_distribution, sampled_histogram, tiny, tiny_quantized};
-use eesd_core::drafters::DrafterSpec;
+use eesd_core::drafters::{DrafterSpec, HeadDrafter};
 use eesd_core::{
     DraftTree, Drafter, GenerationConfig, GenerationOutput, Generator, LayeredModel, Mode,
     StopReason,
 };
-use eesd_models::Llama;
+use eesd_models::{HeadKind, LayerHead, Llama};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
@@ -63,9 +63,9 @@ impl Drafter for Adversary {
     }
 }
 
-fn generate(
-    model: &Llama,
-    drafter: Option<Box<dyn Drafter>>,
+fn generate<'a>(
+    model: &'a Llama,
+    drafter: Option<Box<dyn Drafter + 'a>>,
     prompt: &[u32],
     config: &GenerationConfig,
 ) -> GenerationOutput {
@@ -253,4 +253,181 @@ fn context_limits_and_stop_tokens_end_tree_generation_as_in_ar() {
         g.generate(&PROMPT, &config, |_| ControlFlow::Continue(()))
             .is_err()
     );
+}
+
+/// A random lookahead head of `model` reading layer `n` (any head serves: only drafts change).
+fn lookahead_head(model: &Llama, n: usize) -> LayerHead {
+    let init = n.min(model.num_layers() - 1);
+    LayerHead::from_model(model, HeadKind::Lookahead, n, init, None).unwrap()
+}
+
+/// Lookahead heads in trees, at a middle and at the last layer, weighed into the adaptive tree
+/// (which takes suggestions) or merged ahead of recycling's tree (which ignores them): greedy
+/// output equals AR, with f32 and native weights, up to the context's end.
+#[test]
+fn greedy_trees_with_a_lookahead_head_equal_ar() {
+    for seed in [0, 3] {
+        let model = match seed {
+            0 => tiny(seed),
+            _ => tiny_quantized(seed),
+        };
+        let (vocab, layers) = (model.config().vocab_size, model.num_layers());
+        let ar_config = GenerationConfig {
+            max_new_tokens: 40,
+            ..Default::default()
+        };
+        let ar = generate(&model, None, &PROMPT, &ar_config);
+        for n in [1, layers] {
+            let head = lookahead_head(&model, n);
+            for budget in [1, 4, 16] {
+                let config = GenerationConfig {
+                    mode: Mode::Tree,
+                    tree_budget: budget,
+                    ..ar_config.clone()
+                };
+                for inner in ["opt", "recycle"] {
+                    let spec: DrafterSpec = format!("{inner}@{budget}").parse().unwrap();
+                    let d = HeadDrafter::new(&model, &head, spec.build(vocab));
+                    let out = generate(&model, Some(Box::new(d)), &PROMPT, &config);
+                    assert_eq!(
+                        out.tokens, ar.tokens,
+                        "seed {seed}, layer {n}, {inner}@{budget}"
+                    );
+                }
+            }
+        }
+        // The context's end stops both alike.
+        let context = model.config().context_length;
+        let prompt = vec![66u32; context - 10];
+        let long = GenerationConfig {
+            max_new_tokens: 500,
+            ..Default::default()
+        };
+        let ar = generate(&model, None, &prompt, &long);
+        let head = lookahead_head(&model, layers);
+        let d = HeadDrafter::new(
+            &model,
+            &head,
+            "opt@16".parse::<DrafterSpec>().unwrap().build(vocab),
+        );
+        let tree = GenerationConfig {
+            mode: Mode::Tree,
+            tree_budget: 16,
+            ..long
+        };
+        let out = generate(&model, Some(Box::new(d)), &prompt, &tree);
+        assert_eq!(out.stop_reason, StopReason::ContextFull);
+        assert_eq!(out.tokens, ar.tokens);
+    }
+}
+
+/// States (as host rows) and next tokens shown to a drafter, in order.
+type Shown = std::rc::Rc<std::cell::RefCell<(Vec<Vec<f32>>, Vec<u32>)>>;
+
+/// A feature-reading drafter that records what it was shown.
+struct Recorder<D> {
+    inner: D,
+    seen: Shown,
+}
+
+impl<D: Drafter> Drafter for Recorder<D> {
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+    fn propose(&mut self, context: &[u32], budget: usize) -> DraftTree {
+        self.inner.propose(context, budget)
+    }
+    fn candidates_wanted(&self) -> usize {
+        self.inner.candidates_wanted()
+    }
+    fn observe(&mut self, token: u32, candidates: &[u32], logits: &[f32]) {
+        self.inner.observe(token, candidates, logits)
+    }
+    fn verified(&mut self, tree: &DraftTree, best: &[u32]) {
+        self.inner.verified(tree, best)
+    }
+    fn feature_layer(&self) -> Option<usize> {
+        self.inner.feature_layer()
+    }
+    fn features(
+        &mut self,
+        position: usize,
+        hidden: burn::tensor::Tensor<2>,
+        next: &[u32],
+    ) -> eesd_core::Result<()> {
+        let mut seen = self.seen.borrow_mut();
+        assert_eq!(position, seen.1.len(), "positions in order, none skipped");
+        seen.0.extend(to_rows(hidden.clone()));
+        seen.1.extend_from_slice(next);
+        drop(seen);
+        self.inner.features(position, hidden, next)
+    }
+}
+
+/// The tree loop shows a lookahead head every committed position once, in order, with the
+/// state a plain forward pass gives it (bit for bit: the kernels are batch-invariant) and the
+/// token that follows it; so the head's cache is what teacher forcing would build.
+#[test]
+fn a_lookahead_head_sees_every_committed_position_once_in_order() {
+    let model = tiny_quantized(4);
+    let (vocab, layers) = (model.config().vocab_size, model.num_layers());
+    for n in [1, layers] {
+        let head = lookahead_head(&model, n);
+        let seen = std::rc::Rc::default();
+        let recorder = Recorder {
+            inner: HeadDrafter::new(
+                &model,
+                &head,
+                "opt@8".parse::<DrafterSpec>().unwrap().build(vocab),
+            ),
+            seen: std::rc::Rc::clone(&seen),
+        };
+        let config = GenerationConfig {
+            mode: Mode::Tree,
+            tree_budget: 8,
+            max_new_tokens: 30,
+            ..Default::default()
+        };
+        let out = generate(&model, Some(Box::new(recorder)), &PROMPT, &config);
+        let sequence: Vec<u32> = PROMPT.iter().chain(&out.tokens).copied().collect();
+        let (states, next) = seen.take();
+        assert!(next.len() > PROMPT.len(), "{} positions", next.len());
+        assert_eq!(next[..], sequence[1..=next.len()], "layer {n}");
+        let mut cache = model.new_cache();
+        let expected = model
+            .forward_layers(
+                model.embed(&sequence[..next.len()]).unwrap(),
+                0..n,
+                &mut cache,
+            )
+            .unwrap();
+        assert_eq!(states, to_rows(expected), "layer {n}");
+    }
+}
+
+/// Sampling with a lookahead head's trees keeps the AR distribution.
+#[test]
+fn tree_sampling_with_a_lookahead_head_has_the_ar_distribution() {
+    let model = tiny(5);
+    let vocab = model.config().vocab_size;
+    let head = lookahead_head(&model, model.num_layers());
+    let base = GenerationConfig {
+        tree_budget: 12,
+        ..Default::default()
+    };
+    for position in [0, 2] {
+        let ar = histogram(&model, None, position, 3000);
+        let drafter = HeadDrafter::new(
+            &model,
+            &head,
+            "opt@12".parse::<DrafterSpec>().unwrap().build(vocab),
+        );
+        let mut g = Generator::new(&model).with_drafter(drafter);
+        let tree_config = GenerationConfig {
+            mode: Mode::Tree,
+            ..base.clone()
+        };
+        let tree = sampled_histogram(&mut g, &PROMPT, &tree_config, vocab, position, 3000, 1);
+        assert_same_distribution(&ar, &tree, &format!("token {position}, opt@12+head"));
+    }
 }

@@ -15,7 +15,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use eesd_models::cpu::PackedCache;
 use eesd_models::layer::{AttentionContext, linear};
 use eesd_models::rope::Rope;
-use eesd_models::{LayerHead, LayerHeadWeights, Llama, VocabSubset};
+use eesd_models::{HeadKind, LayerHead, LayerHeadWeights, Llama, VocabSubset};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
@@ -140,6 +140,8 @@ pub fn pack(lengths: &[usize], max_tokens: usize) -> Vec<Vec<usize>> {
 /// head trained on that block needs. One [`Teacher`] serves heads at several exit layers (the
 /// full forward pass, most of a step's cost, runs once for all of them).
 pub struct Teacher {
+    /// The block's token ids.
+    tokens: Vec<u32>,
     /// Layer-N hidden states `[t, hidden]`, per exit layer N asked for.
     hidden: Vec<(usize, Tensor<2>)>,
     /// Full-vocabulary logits `[t, vocab]`.
@@ -152,7 +154,8 @@ pub struct Teacher {
 
 impl Teacher {
     /// Runs `model` once over `sequences` packed into one block (each attends only to itself),
-    /// keeping the hidden states after each of `exit_layers`.
+    /// keeping the hidden states after each of `exit_layers` (the last layer L included, for
+    /// lookahead heads: the states before the final norm).
     pub fn new(model: &Llama, sequences: &[&[u32]], exit_layers: &[usize]) -> Result<Self> {
         if sequences.is_empty() || sequences.iter().any(|s| s.len() < 2) {
             return Err(TrainError::InvalidConfig(
@@ -160,7 +163,7 @@ impl Teacher {
             ));
         }
         let layers = model.num_layers();
-        if let Some(n) = exit_layers.iter().find(|&&n| n == 0 || n >= layers) {
+        if let Some(n) = exit_layers.iter().find(|&&n| n == 0 || n > layers) {
             return Err(TrainError::InvalidConfig(format!(
                 "exit layer {n} of a model of {layers} layers"
             )));
@@ -168,17 +171,20 @@ impl Teacher {
         let tokens: Vec<u32> = sequences.concat();
         let lengths: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
         let ctx = AttentionContext::packed(model.rope(), model.config(), &lengths)?;
+        let mut x = model.embed(&tokens)?;
         let mut exits = exit_layers.to_vec();
         exits.sort_unstable();
         exits.dedup();
-        let mut x = model.embed(&tokens)?;
         let (mut done, mut hidden) = (0, Vec::new());
-        for n in exits {
+        for &n in exits.iter().filter(|&&n| n < layers) {
             x = model.forward_packed(x, done..n, &ctx)?;
             hidden.push((n, x.clone()));
             done = n;
         }
         let top = model.forward_packed(x, done..layers, &ctx)?;
+        if exits.last() == Some(&layers) {
+            hidden.push((layers, top.clone()));
+        }
         let logits = model.logits(top);
         let argmax = logits
             .clone()
@@ -191,6 +197,7 @@ impl Teacher {
             .map(|v| v as u32)
             .collect();
         Ok(Teacher {
+            tokens,
             hidden,
             logits,
             argmax,
@@ -316,17 +323,68 @@ impl<'m> Distiller<'m> {
         log_softmax(logits, 1)
     }
 
-    /// Student log-probabilities `[t, n]` on the training device for the teacher's block.
-    fn student(&self, teacher: &Teacher) -> Result<Tensor<2>> {
+    /// Student log-probabilities `[r, n]` on the training device for the teacher's block, and
+    /// for each student row the teacher row whose distribution it learns: the same row for a
+    /// chain head; for a lookahead head, which reads a position's state and the token after
+    /// it, the next row (the last position of each sequence has no such row and is left out).
+    fn student(&self, teacher: &Teacher) -> Result<(Tensor<2>, Vec<usize>)> {
         let c = self.model.config();
-        let ctx = AttentionContext::packed(&self.rope, c, &teacher.lengths)?;
-        let hidden = teacher
-            .hidden(self.exit_layer)?
-            .to_device(&self.train_device);
-        let h = self.weights.forward(hidden, &self.rope, &ctx, None, c)?;
+        let hidden = teacher.hidden(self.exit_layer)?;
+        let (input, lengths, rows) = match self.weights.kind {
+            HeadKind::Lookahead => {
+                let (mut read, mut learn, mut lengths) = (Vec::new(), Vec::new(), Vec::new());
+                let mut start = 0;
+                for &len in &teacher.lengths {
+                    read.extend((start..start + len - 1).map(|r| r as i32));
+                    learn.extend(start + 1..start + len);
+                    lengths.push(len - 1);
+                    start += len;
+                }
+                let read = Tensor::<1, Int>::from_data(
+                    TensorData::new(read, [learn.len()]),
+                    &hidden.device(),
+                );
+                let next: Vec<u32> = learn.iter().map(|&r| teacher.tokens[r]).collect();
+                let input = self.weights.fused_input(
+                    hidden.select(0, read).to_device(&self.train_device),
+                    self.model.embed(&next)?.to_device(&self.train_device),
+                    c.rms_norm_eps,
+                )?;
+                (input, lengths, learn)
+            }
+            HeadKind::Layer | HeadKind::Adapter => {
+                let rows = (0..teacher.positions()).collect();
+                (
+                    hidden.to_device(&self.train_device),
+                    teacher.lengths.clone(),
+                    rows,
+                )
+            }
+        };
+        let ctx = AttentionContext::packed(&self.rope, c, &lengths)?;
+        let h = self.weights.forward(input, &self.rope, &ctx, None, c)?;
         // Autodiff tensors: burn's matmul (the packed kernel is for inference on flex).
         let no_packing = PackedCache::default();
-        Ok(log_softmax(linear(h, &self.projection, &no_packing), 1))
+        Ok((
+            log_softmax(linear(h, &self.projection, &no_packing), 1),
+            rows,
+        ))
+    }
+
+    /// The teacher's log-probabilities over the draft vocabulary at `rows`, on the training
+    /// device.
+    fn targets(&self, teacher: &Teacher, rows: &[usize]) -> Tensor<2> {
+        let all = self.teacher_log_probs(teacher);
+        let picked = match rows.len() == teacher.positions() {
+            true => all,
+            false => {
+                let ids: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+                let ids =
+                    Tensor::<1, Int>::from_data(TensorData::new(ids, [rows.len()]), &all.device());
+                all.select(0, ids)
+            }
+        };
+        picked.to_device(&self.train_device)
     }
 
     /// Mean −log q(greedy token) over positions whose greedy token is in the draft vocabulary.
@@ -366,13 +424,12 @@ impl<'m> Distiller<'m> {
     /// [`Distiller::train_step`] on a block the frozen model has already run over, e.g. one
     /// [`Teacher`] shared by heads at several exit layers (it must hold this head's layer).
     pub fn train_step_on(&mut self, teacher: &Teacher) -> Result<f64> {
-        let student = self.student(teacher)?;
-        let target = self
-            .teacher_log_probs(teacher)
-            .to_device(&self.train_device);
+        let (student, rows) = self.student(teacher)?;
+        let target = self.targets(teacher, &rows);
         let mut loss = Self::kl(target, student.clone());
         if self.config.ce_weight > 0.0 {
-            loss = loss + self.greedy_ce(student, &teacher.argmax) * self.config.ce_weight;
+            let greedy: Vec<u32> = rows.iter().map(|&r| teacher.argmax[r]).collect();
+            loss = loss + self.greedy_ce(student, &greedy) * self.config.ce_weight;
         }
         let value = loss.clone().into_scalar::<f32>() as f64;
         let grads = GradientsParams::from_grads(loss.backward(), &self.weights);
@@ -390,16 +447,20 @@ impl<'m> Distiller<'m> {
         let (mut kl, mut agree, mut accepted, mut positions) = (0.0, 0usize, 0.0, 0usize);
         for seq in sequences.iter().filter(|s| s.tokens.len() >= 2) {
             let teacher = Teacher::new(self.model, &[&seq.tokens], &[self.exit_layer])?;
-            let student = self.student(&teacher)?.detach();
-            // Score the positions that predict answer tokens: the last prompt position onwards.
-            let t = seq.tokens.len();
-            let from = seq.prompt_len.saturating_sub(1).min(t - 1);
-            let rows = t - from;
-            let student = student.narrow(0, from, rows);
-            let target = self.teacher_log_probs(&teacher).narrow(0, from, rows);
-            kl += Self::kl(target.to_device(&self.train_device), student.clone())
-                .into_scalar::<f32>() as f64
-                * rows as f64;
+            let (student, learnt) = self.student(&teacher)?;
+            // Score the rows that predict answer tokens: from the last prompt position on.
+            let from = seq.prompt_len.saturating_sub(1).min(seq.tokens.len() - 1);
+            let first = learnt
+                .iter()
+                .position(|&r| r >= from)
+                .unwrap_or(learnt.len());
+            let rows = learnt.len() - first;
+            if rows == 0 {
+                continue;
+            }
+            let student = student.detach().narrow(0, first, rows);
+            let target = self.targets(&teacher, &learnt[first..]);
+            kl += Self::kl(target, student.clone()).into_scalar::<f32>() as f64 * rows as f64;
             let picks = student
                 .argmax(1)
                 .into_data()
@@ -408,7 +469,7 @@ impl<'m> Distiller<'m> {
                 .map_err(|e| TrainError::TensorData(format!("{e:?}")))?;
             let ok: Vec<bool> = picks
                 .iter()
-                .zip(&teacher.argmax[from..])
+                .zip(learnt[first..].iter().map(|&r| &teacher.argmax[r]))
                 .map(|(&p, &a)| {
                     self.subset
                         .as_ref()

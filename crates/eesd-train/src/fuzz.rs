@@ -59,12 +59,16 @@ pub fn tiny_model() -> Option<Llama> {
 }
 
 /// Seed inputs of the `train_state` target: the state of a tiny run after one step, for a whole
-/// layer head and an adapter.
+/// layer head, an adapter and a lookahead head.
 pub fn seeds() -> crate::Result<Vec<(String, Vec<u8>)>> {
     let model = tiny_model()
         .ok_or_else(|| crate::TrainError::InvalidConfig("the tiny model does not load".into()))?;
     let mut out = Vec::new();
-    for kind in [eesd_models::HeadKind::Layer, eesd_models::HeadKind::Adapter] {
+    for kind in [
+        eesd_models::HeadKind::Layer,
+        eesd_models::HeadKind::Adapter,
+        eesd_models::HeadKind::Lookahead,
+    ] {
         let dir = eesd_models::fuzz::scratch_dir(&format!("seed-state-{}", kind.name()))
             .ok_or_else(|| {
                 crate::TrainError::InvalidConfig("no scratch directory for the seeds".into())

@@ -167,7 +167,8 @@ impl<'m> Distiller<'m> {
             model,
             state.head_kind,
             state.exit_layer,
-            state.exit_layer,
+            // Any layer: the saved weights replace it (a lookahead head may read layer L).
+            state.exit_layer.min(state.num_layers - 1),
             subset.as_ref(),
         )?;
         let mut distiller = Distiller::new(model, template, state.config.clone())?;

@@ -4,7 +4,7 @@ use std::ops::ControlFlow;
 
 use burn::tensor::Tensor;
 use eesd_bandit::Policy;
-use eesd_core::{Backend, DraftHead, GenerationConfig, Generator, Mode};
+use eesd_core::{Backend, DraftHead, GenerationConfig, Generator, LookaheadHead, Mode};
 use eesd_models::testing::{tiny_config, tiny_gguf_bytes, values};
 use eesd_models::{
     AttentionContext, HeadKind, LayerHead, Llama, LoadOptions, LoadedModel, ModelError, VocabSubset,
@@ -56,6 +56,7 @@ fn distillation_lowers_the_held_out_kl() {
         (HeadKind::Layer, 0.0),
         (HeadKind::Adapter, 0.0),
         (HeadKind::Layer, 0.5),
+        (HeadKind::Lookahead, 0.5),
     ] {
         distillation_lowers_the_held_out_kl_for(kind, ce_weight);
     }
@@ -125,13 +126,30 @@ fn metadata(model: &Llama, kind: HeadKind, exit: usize, subset: Option<Vec<u32>>
     }
 }
 
+/// The head's draft logits after `tokens` (a lookahead head's: for the token after the last
+/// one, from the states of all but the last and the tokens after each).
 fn draft(model: &Llama, head: &LayerHead, tokens: &[u32]) -> Vec<f32> {
+    let n = DraftHead::exit_layer(head).unwrap();
     let mut cache = model.new_cache();
-    let h = model
-        .forward_layers(model.embed(tokens).unwrap(), 0..2, &mut cache)
-        .unwrap();
-    let mut hc = head.new_cache(model);
-    let logits: Tensor<2> = head.draft_logits(model, h, &mut hc).unwrap().logits;
+    let logits: Tensor<2> = match head.kind() {
+        HeadKind::Lookahead => {
+            let (last, before) = tokens.split_last().unwrap();
+            let h = model
+                .forward_layers(model.embed(before).unwrap(), 0..n, &mut cache)
+                .unwrap();
+            let mut hc = LookaheadHead::new_cache(head, model);
+            let next: Vec<u32> = tokens[1..].to_vec();
+            let _ = last;
+            head.lookahead(model, h, &next, &mut hc).unwrap().logits
+        }
+        _ => {
+            let h = model
+                .forward_layers(model.embed(tokens).unwrap(), 0..n, &mut cache)
+                .unwrap();
+            let mut hc = DraftHead::new_cache(head, model);
+            head.draft_logits(model, h, &mut hc).unwrap().logits
+        }
+    };
     logits
         .into_data()
         .convert::<f32>()
@@ -141,7 +159,7 @@ fn draft(model: &Llama, head: &LayerHead, tokens: &[u32]) -> Vec<f32> {
 
 #[test]
 fn checkpoints_round_trip_and_refuse_other_models() {
-    for kind in [HeadKind::Layer, HeadKind::Adapter] {
+    for kind in [HeadKind::Layer, HeadKind::Adapter, HeadKind::Lookahead] {
         checkpoints_round_trip_for(kind);
     }
 }
@@ -510,12 +528,15 @@ fn heads_sharing_one_teacher_pass_train_as_they_would_alone() {
         fresh(2).train_step_on(&teacher),
         Err(TrainError::InvalidConfig(_))
     ));
-    for bad in [0, model.num_layers()] {
+    for bad in [0, model.num_layers() + 1] {
         assert!(matches!(
             Teacher::new(&model, &batch, &[bad]),
             Err(TrainError::InvalidConfig(_))
         ));
     }
+    // The last layer is there for lookahead heads: the states before the final norm.
+    let all = model.num_layers();
+    assert!(Teacher::new(&model, &batch, &[1, all]).is_ok());
 }
 
 #[test]
@@ -529,7 +550,7 @@ fn packing_keeps_order_and_the_token_budget() {
 
 #[test]
 fn a_resumed_run_continues_exactly() {
-    for kind in [HeadKind::Layer, HeadKind::Adapter] {
+    for kind in [HeadKind::Layer, HeadKind::Adapter, HeadKind::Lookahead] {
         a_resumed_run_continues_exactly_for(kind);
     }
 }
@@ -646,6 +667,7 @@ fn a_head_from_a_quantized_model_trains_all_its_weights() {
     let shared = eesd_models::LayerHeadWeights {
         layer: model.layers()[3].clone(),
         norm: burn::module::Param::from_tensor(model.final_norm().clone()),
+        fuse: None,
         kind: HeadKind::Layer,
     };
     let head = LayerHead::from_weights(&model, 2, shared, None).unwrap();
@@ -653,4 +675,55 @@ fn a_head_from_a_quantized_model_trains_all_its_weights() {
         Distiller::new(&model, head, DistillConfig::default()),
         Err(TrainError::InvalidConfig(_))
     ));
+}
+
+/// A lookahead head may read the last layer; it trains, saves and loads there, drafts only
+/// through [`LookaheadHead`] (a chain loop gets an error, not wrong drafts), and chain heads
+/// refuse to run as lookahead heads.
+#[test]
+fn a_lookahead_head_reads_the_last_layer_and_refuses_chains() {
+    let model = tiny(27);
+    let layers = model.num_layers();
+    let data = self_generated(&model, 4, 10);
+    let head =
+        LayerHead::from_model(&model, HeadKind::Lookahead, layers, layers - 1, None).unwrap();
+    let mut d = Distiller::new(&model, head, DistillConfig::default()).unwrap();
+    let loss = d.train_step(&[&data[0].tokens, &data[1].tokens]).unwrap();
+    assert!(loss.is_finite() && loss > 0.0, "{loss}");
+    let head = d.into_head().unwrap();
+    let tokens = [257, 80, 81, 82, 83];
+    let reference = draft(&model, &head, &tokens);
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = dir.path().join("head");
+    let meta = metadata(&model, HeadKind::Lookahead, layers, None);
+    save_layer_head(&prefix, &head, &meta, false).unwrap();
+    let (loaded, _) = load_layer_head(&prefix, &model, None).unwrap();
+    assert_eq!(loaded.kind(), HeadKind::Lookahead);
+    assert_eq!(loaded.feature_layer(), layers);
+    let diff = draft(&model, &loaded, &tokens)
+        .iter()
+        .zip(&reference)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(diff < 1e-4, "{diff}");
+
+    // Chains need a chain head, and the other way round.
+    let mut cache = model.new_cache();
+    let h = model
+        .forward_layers(model.embed(&tokens).unwrap(), 0..layers, &mut cache)
+        .unwrap();
+    let mut hc = DraftHead::new_cache(&loaded, &model);
+    assert!(loaded.draft_logits(&model, h.clone(), &mut hc).is_err());
+    let chain = LayerHead::from_model(&model, HeadKind::Layer, 2, 2, None).unwrap();
+    let mut hc = LookaheadHead::new_cache(&chain, &model);
+    assert!(
+        chain
+            .lookahead(&model, h.clone(), &tokens, &mut hc)
+            .is_err()
+    );
+    // Mismatched states and tokens, and chain heads at layer L, are refused.
+    let mut hc = LookaheadHead::new_cache(&loaded, &model);
+    assert!(loaded.lookahead(&model, h, &tokens[1..], &mut hc).is_err());
+    assert!(LayerHead::from_model(&model, HeadKind::Layer, layers, 0, None).is_err());
+    assert!(LayerHead::from_model(&model, HeadKind::Lookahead, layers + 1, 0, None).is_err());
 }

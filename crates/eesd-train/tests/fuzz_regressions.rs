@@ -15,7 +15,7 @@ fn every_kept_state_and_seed_is_handled_without_a_panic() {
     }
     assert!(kept >= 1);
     let seeds = eesd_train::fuzz::seeds().unwrap();
-    assert_eq!(seeds.len(), 2);
+    assert_eq!(seeds.len(), 3);
     for (name, bytes) in seeds {
         eprintln!("seed {name}");
         eesd_train::fuzz::train_state(&bytes);

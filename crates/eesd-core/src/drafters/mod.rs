@@ -1,7 +1,8 @@
-//! Drafters that cost almost nothing: Token Recycling, context lookup, their fusion, and the
-//! adaptive tree built from both.
+//! Drafters that cost almost nothing: Token Recycling, context lookup, their fusion, the
+//! adaptive tree built from both, and a lookahead head's drafts weighed into it.
 
 mod fused;
+mod lookahead;
 mod lookup;
 mod opt_tree;
 mod recycling;
@@ -9,6 +10,7 @@ mod round_cost;
 mod spec;
 
 pub use fused::Fused;
+pub use lookahead::HeadDrafter;
 pub use lookup::ContextLookup;
 pub use opt_tree::OptTree;
 pub use recycling::{TokenRecycling, TreeShape};

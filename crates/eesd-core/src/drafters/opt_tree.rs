@@ -14,7 +14,9 @@
 //! An edge's probability is learnt online per kind of edge: a recycled candidate by its rank
 //! and the target's confidence when it was recorded (the gap between its logit and the best
 //! one's), a lookup step by the n-gram length it matched and how far along the match it is, and
-//! tokens both sources propose. Every verified row tells, for every candidate offered after
+//! tokens both sources propose; a lookahead head's children of the root
+//! ([`Drafter::suggest`]) by the head's rank and probability, and whether another source
+//! proposes the same token. Every verified row tells, for every candidate offered after
 //! that row (drafted or not), whether it was the target's choice; rates forget slowly so they
 //! follow the task at hand.
 
@@ -33,6 +35,13 @@ const LOOKUP_NS: usize = 3;
 const LOOKUP_STEPS: usize = 4;
 /// Recycled ranks rated separately when lookup proposes the same token.
 const BOTH_RANKS: usize = 3;
+/// Upper bounds of the probability bins of a lookahead head's children (the last bin is open).
+const HEAD_BINS: [f64; 4] = [0.1, 0.3, 0.5, 0.8];
+/// Prior rates of the head's children by probability bin: alone, and agreeing with another source.
+const HEAD_PRIOR: [f64; 5] = [0.05, 0.2, 0.4, 0.65, 0.9];
+const HEAD_AGREES_PRIOR: [f64; 5] = [0.3, 0.45, 0.6, 0.75, 0.9];
+/// Head ranks rated separately; deeper ranks share the last rate.
+const HEAD_RANKS: usize = 4;
 /// Pseudo-observations of each rate's prior.
 const PRIOR_WEIGHT: f64 = 8.0;
 /// Weight kept by earlier observations of a rate at each new one (about the last 200 count).
@@ -47,11 +56,25 @@ enum Edge {
     Lookup { n: usize, step: usize },
     /// A lookup token that is also the recycled candidate of `rank`.
     Both { n: usize, rank: usize },
+    /// A lookahead head's child of the root of `rank`, with its probability in bin `bin`.
+    Head { rank: usize, bin: usize },
+    /// A head's child (probability bin `bin`) that recycling or lookup also proposes.
+    HeadAgrees { bin: usize },
 }
 
 impl Edge {
-    const COUNT: usize =
-        RANKS * (GAP_BINS.len() + 1) + LOOKUP_NS * LOOKUP_STEPS + LOOKUP_NS * BOTH_RANKS;
+    const COUNT: usize = RANKS * (GAP_BINS.len() + 1)
+        + LOOKUP_NS * LOOKUP_STEPS
+        + LOOKUP_NS * BOTH_RANKS
+        + (HEAD_RANKS + 1) * (HEAD_BINS.len() + 1);
+
+    /// The bin of a head probability.
+    fn head_bin(probability: f64) -> usize {
+        HEAD_BINS
+            .iter()
+            .position(|&b| probability < b)
+            .unwrap_or(HEAD_BINS.len())
+    }
 
     fn recycled(rank: usize, gap: f32) -> Edge {
         let gap = GAP_BINS
@@ -73,6 +96,14 @@ impl Edge {
             Edge::Both { n, rank } => {
                 recycled + lookup + n_index(n) * BOTH_RANKS + rank.min(BOTH_RANKS - 1)
             }
+            Edge::Head { rank, bin } => {
+                let head = recycled + lookup + LOOKUP_NS * BOTH_RANKS;
+                head + rank.min(HEAD_RANKS - 1) * (HEAD_BINS.len() + 1) + bin
+            }
+            Edge::HeadAgrees { bin } => {
+                let head = recycled + lookup + LOOKUP_NS * BOTH_RANKS;
+                head + HEAD_RANKS * (HEAD_BINS.len() + 1) + bin
+            }
         }
     }
 
@@ -84,6 +115,8 @@ impl Edge {
             }
             Edge::Lookup { .. } => 0.4,
             Edge::Both { .. } => 0.6,
+            Edge::Head { bin, .. } => HEAD_PRIOR[bin],
+            Edge::HeadAgrees { bin } => HEAD_AGREES_PRIOR[bin],
         }
     }
 }
@@ -139,6 +172,8 @@ pub struct OptTree {
     last: Option<Proposal>,
     /// Round times by rows, when trees are sized by them ([`OptTree::timed`]).
     cost: Option<RoundCost>,
+    /// A lookahead head's children of the next root ([`Drafter::suggest`]).
+    suggested: Vec<(u32, f64)>,
 }
 
 impl OptTree {
@@ -151,6 +186,7 @@ impl OptTree {
             rates: EdgeRates::new(),
             last: None,
             cost: None,
+            suggested: Vec::new(),
         }
     }
 
@@ -214,7 +250,16 @@ impl Drafter for OptTree {
         };
         let lookup_at = |step: usize| continuation.get(step).map(|&t| (t, n, step));
 
-        let mut offered = vec![self.offers(root, lookup_at(0))];
+        let mut root_offers = self.offers(root, lookup_at(0));
+        for (rank, &(token, probability)) in std::mem::take(&mut self.suggested).iter().enumerate()
+        {
+            let bin = Edge::head_bin(probability);
+            match root_offers.iter_mut().find(|o| o.0 == token) {
+                Some(offer) => offer.1 = Edge::HeadAgrees { bin },
+                None => root_offers.push((token, Edge::Head { rank, bin }, None)),
+            }
+        }
+        let mut offered = vec![root_offers];
         let mut heap: BinaryHeap<Candidate> = offered[0]
             .iter()
             .map(|&offer| Candidate {
@@ -265,6 +310,11 @@ impl Drafter for OptTree {
 
     fn observe(&mut self, token: u32, candidates: &[u32], logits: &[f32]) {
         self.recycling.observe(token, candidates, logits);
+    }
+
+    fn suggest(&mut self, children: &[(u32, f64)]) -> bool {
+        self.suggested = children.to_vec();
+        true
     }
 
     fn round_time(&mut self, rows: usize, seconds: f64) {
@@ -330,7 +380,15 @@ mod tests {
                 seen[Edge::Both { n, rank }.index()] = true;
             }
         }
+        for bin in 0..=HEAD_BINS.len() {
+            for rank in 0..HEAD_RANKS {
+                seen[Edge::Head { rank, bin }.index()] = true;
+            }
+            seen[Edge::HeadAgrees { bin }.index()] = true;
+        }
         assert!(seen.iter().all(|&s| s));
+        assert_eq!(Edge::head_bin(0.05), 0);
+        assert_eq!(Edge::head_bin(0.95), HEAD_BINS.len());
         assert_eq!(Edge::recycled(0, 0.2), Edge::Recycled { rank: 0, gap: 0 });
         assert_eq!(Edge::recycled(1, 9.0), Edge::Recycled { rank: 1, gap: 5 });
     }
@@ -404,5 +462,32 @@ mod tests {
         let before = some.recycled_rate(0, 6.0);
         some.verified(&cut, &[2, 3, 6]);
         assert!(some.recycled_rate(0, 6.0) > before);
+    }
+
+    /// A head's suggestions enter the root's children, the first draft only, and their rates
+    /// learn from verification like any other edge.
+    #[test]
+    fn suggested_children_join_the_tree_and_are_rated() {
+        let mut d = OptTree::new(32, 4, 8);
+        d.observe(1, &[2], &[1.0]);
+        assert!(d.suggest(&[(7, 0.9), (2, 0.05)]));
+        let tree = d.propose(&[9, 1], 2);
+        let firsts: Vec<u32> = (0..tree.len())
+            .filter(|&i| tree.parents()[i].is_none())
+            .map(|i| tree.tokens()[i])
+            .collect();
+        assert!(firsts.contains(&7) && firsts.contains(&2), "{firsts:?}");
+        // Suggestions last one round.
+        assert!(!d.propose(&[9, 1], 4).tokens().contains(&7));
+        // The head's confident child is always wrong: its rate falls below recycling's.
+        let before = d.rates.rate(Edge::Head { rank: 0, bin: 4 });
+        for _ in 0..100 {
+            d.suggest(&[(7, 0.9)]);
+            let tree = d.propose(&[9, 1], 2);
+            d.verified(&tree, &[2, 3, 3]);
+        }
+        assert!(d.rates.rate(Edge::Head { rank: 0, bin: 4 }) < 0.2 && before > 0.8);
+        d.suggest(&[(7, 0.9)]);
+        assert_eq!(d.propose(&[9, 1], 1).tokens(), &[2]);
     }
 }

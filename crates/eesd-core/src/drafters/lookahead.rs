@@ -1,0 +1,155 @@
+//! A lookahead head inside a tree drafter: the head's best children of each root, weighed into
+//! another drafter's tree (RASD-style fusion of a model's drafts with train-free ones).
+//!
+//! The head reads the layer-N states that verification computes for every row anyway
+//! ([`LookaheadHead`]), so its drafts cost one pass of the head per round and never a pass
+//! through the model's first layers. It drafts the first level only; the inner drafter
+//! continues below its candidates (Token Recycling's matrix knows what usually follows them).
+
+use burn::tensor::Tensor;
+
+use crate::drafter::{Drafter, top_k};
+use crate::error::{CoreError, Result};
+use crate::generator::host;
+use crate::model::{LayeredModel, LookaheadHead};
+use crate::tree::DraftTree;
+
+/// Children of each root the head offers.
+const HEAD_CHILDREN: usize = 4;
+
+/// A drafter that asks a [`LookaheadHead`] for the root's likely children and hands them to
+/// `inner` ([`Drafter::suggest`]); an inner drafter that ignores suggestions gets the head's
+/// best child merged ahead of its own tree.
+pub struct HeadDrafter<'a, M: LayeredModel, H: LookaheadHead<M>, D> {
+    model: &'a M,
+    head: &'a H,
+    cache: H::Cache,
+    inner: D,
+    /// The head's children of the next root, with their draft probabilities, and that root's
+    /// position (children of another position are stale: a new sequence began).
+    children: Vec<(u32, f64)>,
+    root: usize,
+}
+
+impl<'a, M: LayeredModel, H: LookaheadHead<M>, D: Drafter> HeadDrafter<'a, M, H, D> {
+    /// `head` (for `model`) feeding `inner`.
+    pub fn new(model: &'a M, head: &'a H, inner: D) -> Self {
+        HeadDrafter {
+            model,
+            head,
+            cache: head.new_cache(model),
+            inner,
+            children: Vec::new(),
+            root: 0,
+        }
+    }
+
+    /// The inner drafter.
+    pub fn inner(&self) -> &D {
+        &self.inner
+    }
+
+    /// The head's children of the next root, best first, with their draft probabilities.
+    pub fn children(&self) -> &[(u32, f64)] {
+        &self.children
+    }
+}
+
+/// The `k` most probable tokens of one row of draft logits (columns mapped to token ids when
+/// the head projects onto a subset), with their softmax probabilities.
+fn most_probable(logits: &[f32], ids: Option<&[u32]>, k: usize) -> Vec<(u32, f64)> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() {
+        return Vec::new();
+    }
+    let total: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    top_k(logits, k)
+        .into_iter()
+        .map(|c| {
+            let token = ids.map_or(c, |ids| ids[c as usize]);
+            (token, f64::from(logits[c as usize] - max).exp() / total)
+        })
+        .collect()
+}
+
+impl<M: LayeredModel, H: LookaheadHead<M>, D: Drafter> Drafter for HeadDrafter<'_, M, H, D> {
+    fn name(&self) -> String {
+        format!("{}+head", self.inner.name())
+    }
+
+    fn propose(&mut self, context: &[u32], budget: usize) -> DraftTree {
+        let mut children = std::mem::take(&mut self.children);
+        if context.len() != self.root + 1 {
+            children.clear();
+        }
+        if self.inner.suggest(&children) {
+            return self.inner.propose(context, budget);
+        }
+        let mut tree = DraftTree::new();
+        if let Some(&(token, _)) = children.first().filter(|_| budget > 0) {
+            tree.push(token, None);
+        }
+        tree.merge(&self.inner.propose(context, budget), budget);
+        tree
+    }
+
+    fn candidates_wanted(&self) -> usize {
+        self.inner.candidates_wanted()
+    }
+
+    fn observe(&mut self, token: u32, candidates: &[u32], logits: &[f32]) {
+        self.inner.observe(token, candidates, logits);
+    }
+
+    fn verified(&mut self, tree: &DraftTree, best: &[u32]) {
+        self.inner.verified(tree, best);
+    }
+
+    fn round_time(&mut self, rows: usize, seconds: f64) {
+        self.inner.round_time(rows, seconds);
+    }
+
+    fn feature_layer(&self) -> Option<usize> {
+        Some(self.head.feature_layer())
+    }
+
+    fn features(&mut self, position: usize, hidden: Tensor<2>, next: &[u32]) -> Result<()> {
+        // A new sequence (or one that went back) starts over; a gap would misplace positions.
+        let cached = self.head.cached_len(&self.cache);
+        if position > cached {
+            return Err(CoreError::InvalidConfig(format!(
+                "lookahead head: positions from {position} after {cached} cached ones"
+            )));
+        }
+        self.head.truncate(&mut self.cache, position);
+        self.children.clear();
+        self.root = position + next.len();
+        let draft = self
+            .head
+            .lookahead(self.model, hidden, next, &mut self.cache)
+            .map_err(CoreError::model)?;
+        let logits = host(draft.logits)?;
+        self.children = most_probable(
+            &logits,
+            draft.token_ids.as_deref().map(Vec::as_slice),
+            HEAD_CHILDREN,
+        );
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn children_are_the_most_probable_tokens_with_their_probabilities() {
+        let logits = [0.0, 2.0, 1.0, f32::NEG_INFINITY];
+        let kids = most_probable(&logits, Some(&[10, 11, 12, 13]), 2);
+        let total = 1.0 + 2f64.exp() + 1f64.exp();
+        assert_eq!(kids.iter().map(|k| k.0).collect::<Vec<_>>(), vec![11, 12]);
+        assert!((kids[0].1 - 2f64.exp() / total).abs() < 1e-6);
+        assert!((kids[1].1 - 1f64.exp() / total).abs() < 1e-6);
+        assert!(most_probable(&[f32::NAN; 3], None, 2).is_empty());
+    }
+}
