@@ -9,7 +9,9 @@
 //! checkpoint, `norm@LAYER` (parameter-free), or `oracle:A[+HEAD]` — the work of HEAD (default
 //! the shipped head) with drafts that agree with AR at rate A (see `oracle.rs`; it measures the
 //! ceiling a head of that quality would reach). Tree speculation methods name a drafter instead:
-//! `recycle@B`, `lookup@B`, `fused@B[:L]`, `opt@B` or `opt@B:auto` (`DrafterSpec`). For every question the methods run right after
+//! `recycle@B`, `lookup@B`, `fused@B[:L]`, `opt@B` or `opt@B:auto` (`DrafterSpec`), optionally
+//! `+HEAD` with the checkpoint prefix of a lookahead head whose drafts of each root's children
+//! join the tree (`opt@8+heads/lookahead`). For every question the methods run right after
 //! AR on the same prompt (first turn, chat template), so machine drift cancels in the speedup, and
 //! every method's tokens are compared with AR's: `divergences` must be 0.
 
@@ -30,10 +32,10 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use eesd::SHIPPED_HEAD;
 use eesd::bandit::Policy;
-use eesd::core::drafters::DrafterSpec;
+use eesd::core::drafters::{DrafterSpec, HeadDrafter};
 use eesd::core::{GenerationConfig, GenerationOutput, Generator, Mode};
 use eesd::models::load_layer_head;
-use eesd::models::{AnyHead, Llama, LoadedModel, NormHead};
+use eesd::models::{AnyHead, HeadKind, LayerHead, Llama, LoadedModel, NormHead};
 use indicatif::{ProgressBar, ProgressStyle};
 use oracle::{BenchHead, Oracle};
 
@@ -52,7 +54,8 @@ struct Args {
     /// trained head in assets/heads), a checkpoint prefix, `norm@LAYER` (the parameter-free
     /// baseline) or `oracle:A[+HEAD]` (HEAD's cost, default shipped; AR's token with
     /// probability A); POLICY as `Policy::parse` (fixed:K, threshold:T, beta-ts, calibrated-ts,
-    /// cost-ts). Or a tree drafter: `recycle@B`, `lookup@B`, `fused@B[:L]`, `opt@B`.
+    /// cost-ts). Or a tree drafter: `recycle@B`, `lookup@B`, `fused@B[:L]`, `opt@B`, with
+    /// `+HEAD` a lookahead head checkpoint whose drafts join its trees (`opt@8+PATH`).
     #[arg(
         long,
         value_delimiter = ',',
@@ -81,8 +84,8 @@ enum Kind {
         policy: Policy,
         head: BenchHead,
     },
-    /// Tree speculation with a train-free drafter.
-    Tree(DrafterSpec),
+    /// Tree speculation with a train-free drafter, and a lookahead head's drafts if given.
+    Tree(DrafterSpec, Option<Box<LayerHead>>),
 }
 
 /// One generator per method; tree generators carry their drafter (and what it learned).
@@ -95,11 +98,28 @@ enum Runner<'a> {
 /// `assets/heads`), a checkpoint prefix or `oracle:A[+HEAD]`; a trained head's layer defaults to
 /// its own.
 fn parse_method(spec: &str, seed: u64, lm: &LoadedModel, model_sha: &str) -> Result<Method> {
+    // Tree drafters name no policy, and may add a lookahead head (whose path may hold '/').
+    if let Some((drafter, head)) = spec.split_once('+')
+        && let Ok(drafter) = drafter.parse::<DrafterSpec>()
+    {
+        let (head, meta) = load_layer_head(Path::new(head), &lm.model, Some(model_sha))
+            .with_context(|| format!("head `{head}` of method `{spec}`"))?;
+        if head.kind() != HeadKind::Lookahead {
+            bail!(
+                "method `{spec}`: a `{}` head drafts chains (HEAD/POLICY); trees take lookahead heads",
+                meta.head_kind
+            );
+        }
+        return Ok(Method {
+            name: spec.to_string(),
+            kind: Kind::Tree(drafter, Some(Box::new(head))),
+        });
+    }
     // Exit-head methods name a policy after a '/'; tree drafters never do.
     if !spec.contains('/') {
         return Ok(Method {
             name: spec.to_string(),
-            kind: Kind::Tree(spec.parse()?),
+            kind: Kind::Tree(spec.parse()?, None),
         });
     }
     // The policy follows the last '/' (checkpoint prefixes are paths).
@@ -160,6 +180,7 @@ struct Totals {
     rounds: usize,
     drafted: usize,
     discarded: usize,
+    prefill_seconds: f64,
     draft_seconds: f64,
     verify_seconds: f64,
     divergences: usize,
@@ -185,6 +206,7 @@ impl Totals {
         self.rounds += s.rounds;
         self.drafted += s.drafted;
         self.discarded += s.discarded;
+        self.prefill_seconds += s.prefill_seconds;
         self.draft_seconds += s.draft_seconds;
         self.verify_seconds += s.verify_seconds;
         self.divergences += diverged as usize;
@@ -201,6 +223,7 @@ impl Totals {
             "tokens_per_second": self.tokens_per_second(),
             "speedup": self.tokens_per_second() / ar.tokens_per_second(),
             "mean_accepted": self.tokens as f64 / self.rounds.max(1) as f64,
+            "prefill_seconds": self.prefill_seconds,
             "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds,
             "drafted": self.drafted, "discarded": self.discarded,
             "drafted_per_round": self.drafted as f64 / self.rounds.max(1) as f64,
@@ -234,9 +257,12 @@ fn main() -> Result<()> {
                     .with_head(head)
                     .with_policy(policy.clone()),
             ),
-            Kind::Tree(spec) => {
+            Kind::Tree(spec, None) => {
                 Runner::Tree(Generator::new(&lm.model).with_drafter(spec.build(vocab)))
             }
+            Kind::Tree(spec, Some(head)) => Runner::Tree(Generator::new(&lm.model).with_drafter(
+                HeadDrafter::new(&lm.model, head.as_ref(), spec.build(vocab)),
+            )),
         })
         .collect();
     let mut ar_gen = Generator::new(&lm.model);
@@ -279,7 +305,7 @@ fn main() -> Result<()> {
                     head.set_target(&prompt, &ar.tokens);
                     g.generate(&prompt, &config, go)?
                 }
-                (Kind::Tree(spec), Runner::Tree(g)) => {
+                (Kind::Tree(spec, _), Runner::Tree(g)) => {
                     let config = GenerationConfig {
                         mode: Mode::Tree,
                         tree_budget: spec.budget,
