@@ -15,10 +15,11 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Parser;
 use eesd::bandit::Policy;
-use eesd::core::drafters::DrafterSpec;
+use eesd::core::Drafter;
+use eesd::core::drafters::{DrafterSpec, HeadDrafter};
 use eesd::core::{Backend, GenerationConfig, GenerationOutput, Generator, Mode, SamplingParams};
 use eesd::models::{AnyHead, LoadOptions, LoadedModel, NormHead, TextStream, WeightDType, fetch};
-use eesd::models::{file_sha256, load_layer_head};
+use eesd::models::{HeadKind, file_sha256, load_layer_head};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -44,6 +45,10 @@ struct Args {
     /// time), B = nodes per tree.
     #[arg(long, default_value = "opt@16:auto")]
     drafter: DrafterSpec,
+    /// A lookahead head checkpoint (`train_exit_head --head lookahead`) whose drafts of each
+    /// root's children join the drafter's trees.
+    #[arg(long)]
+    tree_head: Option<PathBuf>,
     /// Exit layer N for EESD (default: the trained head's layer, or 8 with `--head norm`).
     #[arg(long)]
     exit_layer: Option<usize>,
@@ -143,7 +148,27 @@ fn main() -> Result<()> {
     let mut eesd = Generator::new(&lm.model)
         .with_head(&head)
         .with_policy(policy);
-    let mut plain = Generator::new(&lm.model).with_drafter(args.drafter.build(vocab));
+    let tree_head = match &args.tree_head {
+        Some(prefix) => {
+            let sha = file_sha256(&path)?;
+            let (head, meta) = load_layer_head(prefix, &lm.model, Some(&sha))
+                .with_context(|| format!("loading tree head {}", prefix.display()))?;
+            if head.kind() != HeadKind::Lookahead {
+                anyhow::bail!(
+                    "--tree-head takes a `lookahead` head, {} is a `{}` head (use --head)",
+                    prefix.display(),
+                    meta.head_kind
+                );
+            }
+            Some(head)
+        }
+        None => None,
+    };
+    let drafter: Box<dyn Drafter + '_> = match &tree_head {
+        Some(head) => Box::new(HeadDrafter::new(&lm.model, head, args.drafter.build(vocab))),
+        None => args.drafter.build(vocab),
+    };
+    let mut plain = Generator::new(&lm.model).with_drafter(drafter);
     let mut results = Vec::new();
     for mode in modes {
         let config = GenerationConfig {

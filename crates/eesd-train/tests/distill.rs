@@ -157,6 +157,14 @@ fn draft(model: &Llama, head: &LayerHead, tokens: &[u32]) -> Vec<f32> {
         .unwrap()
 }
 
+/// The largest absolute difference between two equally long lists of logits.
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
 #[test]
 fn checkpoints_round_trip_and_refuse_other_models() {
     for kind in [HeadKind::Layer, HeadKind::Adapter, HeadKind::Lookahead] {
@@ -203,11 +211,7 @@ fn checkpoints_round_trip_for(kind: HeadKind) {
             .unwrap()
     };
     assert_eq!(bits(&loaded), bits(&head), "f32 checkpoints are exact");
-    let diff = draft(&model, &loaded, &tokens)
-        .iter()
-        .zip(&reference)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
+    let diff = max_diff(&draft(&model, &loaded, &tokens), &reference);
     assert!(diff < 1e-4, "f32 checkpoint logits differ by {diff}");
 
     save_layer_head(
@@ -218,11 +222,7 @@ fn checkpoints_round_trip_for(kind: HeadKind) {
     )
     .unwrap();
     let (loaded, _) = load_layer_head(&prefix, &model, None).unwrap();
-    let diff = draft(&model, &loaded, &tokens)
-        .iter()
-        .zip(&reference)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
+    let diff = max_diff(&draft(&model, &loaded, &tokens), &reference);
     assert!(diff < 0.05, "f16 checkpoint differs by {diff}");
 
     // Another base model, another layer count, a broken file: typed errors.
@@ -700,11 +700,7 @@ fn a_lookahead_head_reads_the_last_layer_and_refuses_chains() {
     let (loaded, _) = load_layer_head(&prefix, &model, None).unwrap();
     assert_eq!(loaded.kind(), HeadKind::Lookahead);
     assert_eq!(loaded.feature_layer(), layers);
-    let diff = draft(&model, &loaded, &tokens)
-        .iter()
-        .zip(&reference)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
+    let diff = max_diff(&draft(&model, &loaded, &tokens), &reference);
     assert!(diff < 1e-4, "{diff}");
 
     // Chains need a chain head, and the other way round.
