@@ -19,7 +19,7 @@ use eesd::core::Drafter;
 use eesd::core::drafters::{DrafterSpec, HeadDrafter};
 use eesd::core::{Backend, GenerationConfig, GenerationOutput, Generator, Mode, SamplingParams};
 use eesd::models::{AnyHead, LoadOptions, LoadedModel, NormHead, TextStream, WeightDType, fetch};
-use eesd::models::{HeadKind, file_sha256, load_layer_head};
+use eesd::models::{file_sha256, load_layer_head, load_lookahead_head};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -120,14 +120,18 @@ fn main() -> Result<()> {
         m => vec![m.parse()?],
     };
     // Plain AR and tree speculation need no exit head: load one only for EESD.
-    let needs_head = modes.contains(&Mode::Eesd);
-    let (head, exit_layer) = if args.head == "norm" || !needs_head {
+    let needs_head = modes.contains(&Mode::Eesd) && args.head != "norm";
+    // Trained heads are tied to the model file: hash it once for whichever heads are loaded.
+    let sha = match needs_head || args.tree_head.is_some() {
+        true => file_sha256(&path)?,
+        false => String::new(),
+    };
+    let (head, exit_layer) = if !needs_head {
         (
             AnyHead::Norm(NormHead::new()),
             Some(args.exit_layer.unwrap_or(8)),
         )
     } else {
-        let sha = file_sha256(&path)?;
         let prefix = match args.head.as_str() {
             "shipped" => eesd::SHIPPED_HEAD,
             other => other,
@@ -149,19 +153,16 @@ fn main() -> Result<()> {
         .with_head(&head)
         .with_policy(policy);
     let tree_head = match &args.tree_head {
-        Some(prefix) => {
-            let sha = file_sha256(&path)?;
-            let (head, meta) = load_layer_head(prefix, &lm.model, Some(&sha))
-                .with_context(|| format!("loading tree head {}", prefix.display()))?;
-            if head.kind() != HeadKind::Lookahead {
-                anyhow::bail!(
-                    "--tree-head takes a `lookahead` head, {} is a `{}` head (use --head)",
-                    prefix.display(),
-                    meta.head_kind
-                );
-            }
-            Some(head)
-        }
+        Some(prefix) => Some(
+            load_lookahead_head(prefix, &lm.model, Some(&sha))
+                .with_context(|| {
+                    format!(
+                        "loading tree head {} (chain heads: --head)",
+                        prefix.display()
+                    )
+                })?
+                .0,
+        ),
         None => None,
     };
     let drafter: Box<dyn Drafter + '_> = match &tree_head {

@@ -34,8 +34,8 @@ use eesd::SHIPPED_HEAD;
 use eesd::bandit::Policy;
 use eesd::core::drafters::{DrafterSpec, HeadDrafter};
 use eesd::core::{GenerationConfig, GenerationOutput, Generator, Mode};
-use eesd::models::load_layer_head;
-use eesd::models::{AnyHead, HeadKind, LayerHead, Llama, LoadedModel, NormHead};
+use eesd::models::{AnyHead, LayerHead, Llama, LoadedModel, NormHead};
+use eesd::models::{load_layer_head, load_lookahead_head};
 use indicatif::{ProgressBar, ProgressStyle};
 use oracle::{BenchHead, Oracle};
 
@@ -102,14 +102,10 @@ fn parse_method(spec: &str, seed: u64, lm: &LoadedModel, model_sha: &str) -> Res
     if let Some((drafter, head)) = spec.split_once('+')
         && let Ok(drafter) = drafter.parse::<DrafterSpec>()
     {
-        let (head, meta) = load_layer_head(Path::new(head), &lm.model, Some(model_sha))
-            .with_context(|| format!("head `{head}` of method `{spec}`"))?;
-        if head.kind() != HeadKind::Lookahead {
-            bail!(
-                "method `{spec}`: a `{}` head drafts chains (HEAD/POLICY); trees take lookahead heads",
-                meta.head_kind
-            );
-        }
+        let (head, _) = load_lookahead_head(Path::new(head), &lm.model, Some(model_sha))
+            .with_context(|| {
+                format!("head `{head}` of method `{spec}` (chain heads: HEAD/POLICY)")
+            })?;
         return Ok(Method {
             name: spec.to_string(),
             kind: Kind::Tree(drafter, Some(Box::new(head))),

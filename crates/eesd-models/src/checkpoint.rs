@@ -318,6 +318,25 @@ pub fn load_layer_head(
     ))
 }
 
+/// [`load_layer_head`] for a head that drafts trees: refuses a chain head (`layer`, `adapter`)
+/// with [`ModelError::HeadMismatch`], so that it fails when loaded rather than at its first
+/// draft.
+pub fn load_lookahead_head(
+    prefix: &Path,
+    model: &Llama,
+    base_sha256: Option<&str>,
+) -> Result<(LayerHead, HeadMetadata)> {
+    let (head, meta) = load_layer_head(prefix, model, base_sha256)?;
+    if head.kind() != HeadKind::Lookahead {
+        return Err(ModelError::HeadMismatch(format!(
+            "{} is a `{}` head, which drafts chains; trees take a `lookahead` head",
+            prefix.display(),
+            meta.head_kind
+        )));
+    }
+    Ok((head, meta))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

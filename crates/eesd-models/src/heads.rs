@@ -22,7 +22,7 @@ use crate::cache::LayerCache;
 use crate::config::LlamaConfig;
 use crate::cpu::{PackedCache, QuantFormat, QuantMatrix};
 use crate::error::{ModelError, Result};
-use crate::layer::{AttentionContext, DecoderLayer, cast_to, linear, rms_norm};
+use crate::layer::{AttentionContext, DecoderLayer, cast_to, linear, rms_norm, rms_normalize};
 use crate::llama::Llama;
 use crate::native::{NativeWeights, lazy_param, quant_linear};
 use crate::quant::quantize_q8_0;
@@ -230,6 +230,15 @@ pub enum HeadKind {
 }
 
 impl HeadKind {
+    /// The deepest layer a head of this kind can read in a model of `layers` layers: a chain
+    /// head needs a layer after its exit to verify with, a lookahead head may read the last.
+    pub fn last_exit_layer(self, layers: usize) -> usize {
+        match self {
+            HeadKind::Lookahead => layers,
+            HeadKind::Layer | HeadKind::Adapter => layers - 1,
+        }
+    }
+
     /// The name used in checkpoints and on the command line (`layer`, `adapter`,
     /// `lookahead`).
     pub fn name(self) -> &'static str {
@@ -295,13 +304,8 @@ impl LayerHeadWeights {
                 self.kind.name()
             ))
         })?;
-        let unit = |x: Tensor<2>| {
-            let rms = x.clone().square().mean_dim(1).add_scalar(eps).sqrt();
-            x.div(rms)
-        };
-        Ok(self
-            .layer
-            .project(Tensor::cat(vec![unit(hidden), unit(next)], 1), fuse))
+        let both = vec![rms_normalize(hidden, eps), rms_normalize(next, eps)];
+        Ok(self.layer.project(Tensor::cat(both, 1), fuse))
     }
 
     /// The head's hidden state for `hidden: [t, hidden]` (block, then the output norm), with
@@ -387,16 +391,11 @@ impl LayerHead {
         init_from: usize,
         subset: Option<&VocabSubset>,
     ) -> Result<Self> {
+        // The exit layer is checked by `from_weights`.
         let layers = model.num_layers();
-        let last_exit = match kind {
-            HeadKind::Lookahead => layers,
-            _ => layers - 1,
-        };
-        if n == 0 || n > last_exit || init_from >= layers {
+        if init_from >= layers {
             return Err(ModelError::InvalidArgument(format!(
-                "exit layer {n} / init layer {init_from} out of range for a `{}` head of a \
-                 model of {layers} layers",
-                kind.name()
+                "init layer {init_from} out of range for a model of {layers} layers"
             )));
         }
         let fuse = (kind == HeadKind::Lookahead).then(|| {
@@ -439,11 +438,7 @@ impl LayerHead {
                 )));
             }
         }
-        let last_exit = match weights.kind {
-            HeadKind::Lookahead => model.num_layers(),
-            _ => model.num_layers() - 1,
-        };
-        if n == 0 || n > last_exit {
+        if n == 0 || n > weights.kind.last_exit_layer(model.num_layers()) {
             return Err(ModelError::InvalidArgument(format!(
                 "exit layer {n} out of range for a `{}` head of a model of {} layers",
                 weights.kind.name(),
@@ -503,6 +498,14 @@ impl LayerHead {
             "a `{}` head cannot draft {wanted}",
             self.weights.kind.name()
         ))
+    }
+
+    /// Refuses a lookahead head where a chain head is needed.
+    fn ensure_chain(&self) -> Result<()> {
+        match self.weights.kind {
+            HeadKind::Lookahead => Err(self.wrong_kind("chains (it drafts trees: `opt@B+HEAD`)")),
+            HeadKind::Layer | HeadKind::Adapter => Ok(()),
+        }
     }
 }
 
@@ -567,18 +570,14 @@ impl DraftHead<Llama> for LayerHead {
         hidden: Tensor<2>,
         cache: &mut LayerCache,
     ) -> Result<DraftLogits> {
-        if self.weights.kind == HeadKind::Lookahead {
-            return Err(self.wrong_kind("chains (it drafts trees: `opt@B+HEAD`)"));
-        }
+        self.ensure_chain()?;
         Ok(self
             .projection
             .logits(self.hidden(model, hidden, Some(cache))?))
     }
 
     fn extend(&self, model: &Llama, hidden: Tensor<2>, cache: &mut LayerCache) -> Result<()> {
-        if self.weights.kind == HeadKind::Lookahead {
-            return Err(self.wrong_kind("chains (it drafts trees: `opt@B+HEAD`)"));
-        }
+        self.ensure_chain()?;
         self.hidden(model, hidden, Some(cache)).map(drop)
     }
 

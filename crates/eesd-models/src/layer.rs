@@ -22,8 +22,13 @@ use crate::rope::Rope;
 
 /// RMSNorm: `x / sqrt(mean(x²) + ε) · γ` over the last dimension.
 pub fn rms_norm(x: Tensor<2>, gamma: Tensor<1>, eps: f64) -> Tensor<2> {
+    rms_normalize(x, eps).mul(gamma.unsqueeze_dim(0))
+}
+
+/// RMSNorm without a gain: `x / sqrt(mean(x²) + ε)` over the last dimension.
+pub fn rms_normalize(x: Tensor<2>, eps: f64) -> Tensor<2> {
     let rms = x.clone().square().mean_dim(1).add_scalar(eps).sqrt();
-    x.div(rms).mul(gamma.unsqueeze_dim(0))
+    x.div(rms)
 }
 
 /// `x · wᵀ` for a weight stored `[out, in]`, with `x` cast to the weight's dtype and the result

@@ -117,6 +117,13 @@ pub(crate) fn optimizer(config: &DistillConfig) -> ModuleOptimizer {
         .init()
 }
 
+/// An index tensor of `ids` (rows or columns to select) on `device`.
+fn index(ids: impl Iterator<Item = usize>, device: &Device) -> Tensor<1, Int> {
+    let ids: Vec<i32> = ids.map(|i| i as i32).collect();
+    let n = ids.len();
+    Tensor::from_data(TensorData::new(ids, [n]), device)
+}
+
 /// Groups sequences (by their `lengths`, in order) into training batches of at most
 /// `max_tokens` tokens each; a sequence longer than that gets a batch of its own. Packing keeps
 /// the data order, so a run (and a resumed run) sees the same batches.
@@ -253,10 +260,9 @@ impl<'m> Distiller<'m> {
         let train_device = model.device().clone().autodiff();
         let rope = Rope::new(model.config(), &train_device);
         let lm_head = model.lm_head().clone();
-        let subset_ids = subset.as_ref().map(|s| {
-            let ids: Vec<i32> = s.ids().iter().map(|&i| i as i32).collect();
-            Tensor::<1, Int>::from_data(TensorData::new(ids, [s.len()]), model.device())
-        });
+        let subset_ids = subset
+            .as_ref()
+            .map(|s| index(s.ids().iter().map(|&i| i as usize), model.device()));
         let projection = match &subset_ids {
             Some(ids) => lm_head.select(0, ids.clone()),
             None => lm_head,
@@ -332,18 +338,15 @@ impl<'m> Distiller<'m> {
         let hidden = teacher.hidden(self.exit_layer)?;
         let (input, lengths, rows) = match self.weights.kind {
             HeadKind::Lookahead => {
-                let (mut read, mut learn, mut lengths) = (Vec::new(), Vec::new(), Vec::new());
+                let (mut learn, mut lengths) = (Vec::new(), Vec::new());
                 let mut start = 0;
                 for &len in &teacher.lengths {
-                    read.extend((start..start + len - 1).map(|r| r as i32));
                     learn.extend(start + 1..start + len);
                     lengths.push(len - 1);
                     start += len;
                 }
-                let read = Tensor::<1, Int>::from_data(
-                    TensorData::new(read, [learn.len()]),
-                    &hidden.device(),
-                );
+                // Each learnt row reads the state of the row before it.
+                let read = index(learn.iter().map(|&r| r - 1), &hidden.device());
                 let next: Vec<u32> = learn.iter().map(|&r| teacher.tokens[r]).collect();
                 let input = self.weights.fused_input(
                     hidden.select(0, read).to_device(&self.train_device),
@@ -378,9 +381,7 @@ impl<'m> Distiller<'m> {
         let picked = match rows.len() == teacher.positions() {
             true => all,
             false => {
-                let ids: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
-                let ids =
-                    Tensor::<1, Int>::from_data(TensorData::new(ids, [rows.len()]), &all.device());
+                let ids = index(rows.iter().copied(), &all.device());
                 all.select(0, ids)
             }
         };

@@ -711,6 +711,14 @@ fn a_lookahead_head_reads_the_last_layer_and_refuses_chains() {
     let mut hc = DraftHead::new_cache(&loaded, &model);
     assert!(loaded.draft_logits(&model, h.clone(), &mut hc).is_err());
     let chain = LayerHead::from_model(&model, HeadKind::Layer, 2, 2, None).unwrap();
+    assert!(eesd_models::load_lookahead_head(&prefix, &model, None).is_ok());
+    let chain_prefix = dir.path().join("chain");
+    let chain_meta = metadata(&model, HeadKind::Layer, 2, None);
+    save_layer_head(&chain_prefix, &chain, &chain_meta, false).unwrap();
+    assert!(matches!(
+        eesd_models::load_lookahead_head(&chain_prefix, &model, None),
+        Err(ModelError::HeadMismatch(_))
+    ));
     let mut hc = LookaheadHead::new_cache(&chain, &model);
     assert!(
         chain
