@@ -5,17 +5,20 @@
 //! posterior of acceptance ([`BetaTs`], confidence-conditioned [`CalibratedTs`], and the
 //! time-priced [`CostAwareTs`]); [`Fixed`] and [`ConfidenceThreshold`] are the baselines.
 //! [`sim`] simulates acceptance processes to compare them against the best fixed length.
+//! [`RewardTs`] chooses among whole alternatives (drafters) by a measured reward per round.
 //!
 //! Pure Rust: no tensors, no burn.
 
 #![warn(missing_docs)]
 
+pub mod arms;
 pub mod error;
 pub mod policies;
 pub mod policy;
 pub mod posterior;
 pub mod sim;
 
+pub use arms::{DEFAULT_ARM_DISCOUNT, RewardArm, RewardTs};
 pub use error::{BanditError, Result};
 pub use policies::{
     BetaTs, CalibratedTs, ConfidenceThreshold, CostAwareTs, DEFAULT_COST_RATIO, DEFAULT_MAX_DRAFT,

@@ -42,6 +42,13 @@ pub trait Drafter {
         let _ = (tree, best);
     }
 
+    /// The tokens a round emits: the accepted drafts plus the target's own (in sampling mode
+    /// the accepted path is drawn, so [`Drafter::verified`]'s best tokens do not tell it).
+    /// Called after [`Drafter::verified`] and before [`Drafter::round_time`].
+    fn emitted(&mut self, tokens: usize) {
+        let _ = tokens;
+    }
+
     /// The wall time of a whole round (drafting, verification, observation) that verified
     /// `rows` rows, the root included; for drafters that size their trees by what rows cost
     /// (see [`crate::drafters::RoundCost`]). Called after the round's other calls.
@@ -89,6 +96,9 @@ impl<D: Drafter + ?Sized> Drafter for Box<D> {
     }
     fn verified(&mut self, tree: &DraftTree, best: &[u32]) {
         (**self).verified(tree, best)
+    }
+    fn emitted(&mut self, tokens: usize) {
+        (**self).emitted(tokens)
     }
     fn round_time(&mut self, rows: usize, seconds: f64) {
         (**self).round_time(rows, seconds)

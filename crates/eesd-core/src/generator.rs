@@ -554,6 +554,7 @@ fn run_tree<M: LayeredModel, F: FnMut(&[u32]) -> ControlFlow<()>>(
         stats.draft_seconds += draft_seconds + observe_start.elapsed().as_secs_f64();
         stats.verify_seconds += verify_seconds;
         stats.record_round(tree.len(), verdict.path.len());
+        drafter.emitted(block.len());
         drafter.round_time(tree.len() + 1, draft_start.elapsed().as_secs_f64());
 
         if let Some(reason) = out.emit(&block) {

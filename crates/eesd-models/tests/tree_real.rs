@@ -14,13 +14,14 @@ use eesd_core::drafters::{DrafterSpec, HeadDrafter};
 use eesd_core::{GenerationConfig, GenerationOutput, Generator, Mode};
 use eesd_models::{HeadKind, LayerHead, Llama};
 
-const DRAFTERS: [&str; 6] = [
+const DRAFTERS: [&str; 7] = [
     "recycle@16",
     "lookup@8",
     "fused@16",
     "fused@32:8",
     "opt@8",
     "opt@16:auto",
+    "ts:opt@16:auto|lookup@8|fused@8:4",
 ];
 
 fn generators() -> Vec<(String, Generator<'static, Llama>)> {

@@ -98,14 +98,15 @@ fn greedy_tree_speculation_equals_ar_for_every_drafter() {
                 tree_budget: budget,
                 ..ar_config.clone()
             };
-            // The last one sizes its trees by the rounds' times.
-            let names = ["recycle", "lookup", "fused", "opt", "opt"];
-            let options = ["", "", "", "", ":auto"];
-            let mut drafters: Vec<Box<dyn Drafter>> = names
+            // `opt:auto` sizes its trees by the rounds' times; `ts:` picks a drafter a round.
+            let specs = ["recycle@B", "lookup@B", "fused@B", "opt@B", "opt@B:auto"];
+            let choice = "ts:opt@B:auto|lookup@B|fused@B".to_string();
+            let mut drafters: Vec<Box<dyn Drafter>> = specs
                 .iter()
-                .zip(options)
-                .map(|(d, option)| {
-                    let spec: DrafterSpec = format!("{d}@{budget}{option}").parse().unwrap();
+                .map(|s| s.to_string())
+                .chain([choice])
+                .map(|s| {
+                    let spec: DrafterSpec = s.replace('B', &budget.to_string()).parse().unwrap();
                     spec.build(vocab) as Box<dyn Drafter>
                 })
                 .collect();
@@ -207,7 +208,13 @@ fn tree_sampling_has_the_ar_distribution() {
     let model = tiny(5);
     for position in [0, 2] {
         let ar = histogram(&model, None, position, 3000);
-        for spec in ["recycle@12", "fused@12", "opt@12", "opt@12:auto"] {
+        for spec in [
+            "recycle@12",
+            "fused@12",
+            "opt@12",
+            "opt@12:auto",
+            "ts:opt@12:auto|recycle@12",
+        ] {
             let tree = histogram(&model, Some(spec), position, 3000);
             assert_same_distribution(&ar, &tree, &format!("token {position}, {spec}"));
         }

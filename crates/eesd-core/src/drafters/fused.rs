@@ -68,6 +68,12 @@ impl Drafter for Fused {
         }
     }
 
+    fn emitted(&mut self, tokens: usize) {
+        for (drafter, _) in &mut self.parts {
+            drafter.emitted(tokens);
+        }
+    }
+
     fn round_time(&mut self, rows: usize, seconds: f64) {
         for (drafter, _) in &mut self.parts {
             drafter.round_time(rows, seconds);

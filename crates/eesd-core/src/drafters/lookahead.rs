@@ -105,6 +105,10 @@ impl<M: LayeredModel, H: LookaheadHead<M>, D: Drafter> Drafter for HeadDrafter<'
         self.inner.verified(tree, best);
     }
 
+    fn emitted(&mut self, tokens: usize) {
+        self.inner.emitted(tokens);
+    }
+
     fn round_time(&mut self, rows: usize, seconds: f64) {
         self.inner.round_time(rows, seconds);
     }

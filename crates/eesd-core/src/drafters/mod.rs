@@ -1,5 +1,6 @@
 //! Drafters that cost almost nothing: Token Recycling, context lookup, their fusion, the
-//! adaptive tree built from both, and a lookahead head's drafts weighed into it.
+//! adaptive tree built from both, a lookahead head's drafts weighed into it, and Thompson
+//! Sampling over whole drafters by their measured tokens per second.
 
 mod fused;
 mod lookahead;
@@ -8,6 +9,7 @@ mod opt_tree;
 mod recycling;
 mod round_cost;
 mod spec;
+mod thompson;
 
 pub use fused::Fused;
 pub use lookahead::HeadDrafter;
@@ -16,6 +18,7 @@ pub use opt_tree::OptTree;
 pub use recycling::{TokenRecycling, TreeShape};
 pub use round_cost::RoundCost;
 pub use spec::{DrafterKind, DrafterSpec};
+pub use thompson::ThompsonDrafters;
 
 /// A candidate of a best-first tree search, ordered by the probability that its path is
 /// accepted (a max-heap pops the most probable first).

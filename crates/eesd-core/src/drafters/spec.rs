@@ -1,18 +1,21 @@
 //! Drafters named on command lines: `recycle@16`, `lookup@8`, `fused@16`, `fused@32:8`, `opt@8`,
-//! `opt@16:auto`.
+//! `opt@16:auto`, and Thompson Sampling over several of them: `ts:opt@16:auto|lookup@8`.
 
 use std::fmt;
 use std::str::FromStr;
 
-use super::{ContextLookup, Fused, OptTree, TokenRecycling};
+use super::{ContextLookup, Fused, OptTree, ThompsonDrafters, TokenRecycling};
 use crate::drafter::Drafter;
 use crate::error::CoreError;
 
 /// Candidates per token of the recycling matrix (as in the Token Recycling paper).
 const RECYCLE_K: usize = 8;
 
+/// Seed of the drafter choice's posterior draws (runs repeat exactly).
+const TS_SEED: u64 = 0x7453;
+
 /// Which drafter, and the node budget of its trees.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DrafterSpec {
     /// The drafter.
     pub kind: DrafterKind,
@@ -21,7 +24,7 @@ pub struct DrafterSpec {
 }
 
 /// The drafters a [`DrafterSpec`] can name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DrafterKind {
     /// [`TokenRecycling`] with 8 candidates per token.
     Recycle,
@@ -38,6 +41,9 @@ pub enum DrafterKind {
         /// Only as many of the budget's nodes as pay for their rows ([`OptTree::timed`]).
         timed: bool,
     },
+    /// [`ThompsonDrafters`]: one of these drafters per round, by measured tokens per second
+    /// (the budget is the largest of theirs).
+    Thompson(Vec<DrafterSpec>),
 }
 
 impl DrafterSpec {
@@ -55,6 +61,14 @@ impl DrafterSpec {
                 let tree = OptTree::new(vocab, RECYCLE_K, self.budget);
                 Box::new(if timed { tree.timed() } else { tree })
             }
+            DrafterKind::Thompson(ref arms) => {
+                let arms = arms.iter().map(|a| (a.build(vocab), a.budget)).collect();
+                // Fails only without arms (parsing admits none): then nothing is drafted.
+                match ThompsonDrafters::new(arms, TS_SEED) {
+                    Ok(ts) => Box::new(ts),
+                    Err(_) => Box::new(Fused::new(Vec::new())),
+                }
+            }
         }
     }
 }
@@ -64,8 +78,24 @@ impl FromStr for DrafterSpec {
 
     /// `recycle@B`, `lookup@B`, `fused@B[:L]` (lookup capped at `L` nodes, default `B / 2`),
     /// `opt@B` or `opt@B:auto` (at most `B` nodes, as many as pay for their rows); `B`
-    /// defaults to 16.
+    /// defaults to 16. `ts:A|B|...` chooses among the drafters `A`, `B`, ... each round.
     fn from_str(s: &str) -> Result<Self, CoreError> {
+        if let Some(arms) = s.strip_prefix("ts:") {
+            let arms = arms
+                .split('|')
+                .map(|a| match a.starts_with("ts:") {
+                    true => Err(CoreError::InvalidConfig(format!(
+                        "drafter `{s}`: a choice among choices (`{a}`) is not supported"
+                    ))),
+                    false => a.parse::<DrafterSpec>(),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let budget = arms.iter().map(|a| a.budget).max().unwrap_or(0);
+            return Ok(DrafterSpec {
+                kind: DrafterKind::Thompson(arms),
+                budget,
+            });
+        }
         let bad = |why: &str| {
             CoreError::InvalidConfig(format!(
                 "drafter `{s}`: {why} (expected recycle@B, lookup@B, fused@B[:L], opt@B or opt@B:auto)"
@@ -98,12 +128,16 @@ impl FromStr for DrafterSpec {
 
 impl fmt::Display for DrafterSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.kind {
+        match &self.kind {
             DrafterKind::Recycle => write!(f, "recycle@{}", self.budget),
             DrafterKind::Lookup => write!(f, "lookup@{}", self.budget),
             DrafterKind::Fused { lookup } => write!(f, "fused@{}:{lookup}", self.budget),
             DrafterKind::Opt { timed: false } => write!(f, "opt@{}", self.budget),
             DrafterKind::Opt { timed: true } => write!(f, "opt@{}:auto", self.budget),
+            DrafterKind::Thompson(arms) => {
+                let arms: Vec<String> = arms.iter().map(|a| a.to_string()).collect();
+                write!(f, "ts:{}", arms.join("|"))
+            }
         }
     }
 }
@@ -120,9 +154,14 @@ mod tests {
             "fused@32:8",
             "opt@8",
             "opt@16:auto",
+            "ts:opt@16:auto|lookup@8",
+            "ts:fused@8:4",
         ] {
             assert_eq!(s.parse::<DrafterSpec>().unwrap().to_string(), s);
         }
+        let ts: DrafterSpec = "ts:opt@16:auto|lookup@24|recycle@4".parse().unwrap();
+        assert_eq!(ts.budget, 24);
+        assert_eq!(ts.build(100).name(), "ts(opt|lookup|recycle)");
         let fused: DrafterSpec = "fused@16".parse().unwrap();
         assert_eq!(fused.kind, DrafterKind::Fused { lookup: 8 });
         assert_eq!("recycle".parse::<DrafterSpec>().unwrap().budget, 16);
@@ -133,6 +172,10 @@ mod tests {
             "fused@8:y",
             "opt@8:2",
             "opt@8:fast",
+            "ts:",
+            "ts:opt@8|",
+            "ts:ts:opt@8",
+            "ts:lookup@8|ts:opt@8",
         ] {
             assert!(bad.parse::<DrafterSpec>().is_err(), "{bad}");
         }
