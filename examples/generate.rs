@@ -41,8 +41,9 @@ struct Args {
     mode: String,
     /// Drafter of tree speculation: recycle@B (Token Recycling), lookup@B (context lookup),
     /// fused@B[:L] (lookup capped at L nodes fused with recycling), opt@B (adaptive tree from
-    /// both, OPT-Tree) or opt@B:auto (at most B nodes, as many as pay for their verification
-    /// time), B = nodes per tree.
+    /// both, OPT-Tree), opt@B:auto (at most B nodes, as many as pay for their verification
+    /// time), B = nodes per tree; or ts:A|B|... (one of these drafters per round, chosen by
+    /// Thompson Sampling on measured tokens per second).
     #[arg(long, default_value = "opt@16:auto")]
     drafter: DrafterSpec,
     /// A lookahead head checkpoint (`train_exit_head --head lookahead`) whose drafts of each

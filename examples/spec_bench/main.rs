@@ -9,7 +9,8 @@
 //! checkpoint, `norm@LAYER` (parameter-free), or `oracle:A[+HEAD]` — the work of HEAD (default
 //! the shipped head) with drafts that agree with AR at rate A (see `oracle.rs`; it measures the
 //! ceiling a head of that quality would reach). Tree speculation methods name a drafter instead:
-//! `recycle@B`, `lookup@B`, `fused@B[:L]`, `opt@B` or `opt@B:auto` (`DrafterSpec`), optionally
+//! `recycle@B`, `lookup@B`, `fused@B[:L]`, `opt@B`, `opt@B:auto` or Thompson Sampling over
+//! several, `ts:opt@16:auto|lookup@8` (`DrafterSpec`), optionally
 //! `+HEAD` with the checkpoint prefix of a lookahead head whose drafts of each root's children
 //! join the tree (`opt@8+heads/lookahead`). For every question the methods run right after
 //! AR on the same prompt (first turn, chat template), so machine drift cancels in the speedup, and
@@ -54,8 +55,9 @@ struct Args {
     /// trained head in assets/heads), a checkpoint prefix, `norm@LAYER` (the parameter-free
     /// baseline) or `oracle:A[+HEAD]` (HEAD's cost, default shipped; AR's token with
     /// probability A); POLICY as `Policy::parse` (fixed:K, threshold:T, beta-ts, calibrated-ts,
-    /// cost-ts). Or a tree drafter: `recycle@B`, `lookup@B`, `fused@B[:L]`, `opt@B`, with
-    /// `+HEAD` a lookahead head checkpoint whose drafts join its trees (`opt@8+PATH`).
+    /// cost-ts). Or a tree drafter: `recycle@B`, `lookup@B`, `fused@B[:L]`, `opt@B`,
+    /// `opt@B:auto`, `ts:A|B|...` (one of those per round, by Thompson Sampling), with `+HEAD`
+    /// a lookahead head checkpoint whose drafts join its trees (`opt@8+PATH`).
     #[arg(
         long,
         value_delimiter = ',',
