@@ -7,7 +7,7 @@ use crate::tree::DraftTree;
 /// Drafters whose trees are merged in order: each proposes at most its own cap of nodes, and
 /// paths they share are verified once.
 pub struct Fused {
-    parts: Vec<(Box<dyn Drafter + Send>, usize)>,
+    parts: Vec<super::Capped>,
 }
 
 impl Fused {
@@ -45,21 +45,11 @@ impl Drafter for Fused {
     }
 
     fn candidates_wanted(&self) -> usize {
-        self.parts
-            .iter()
-            .map(|(d, _)| d.candidates_wanted())
-            .max()
-            .unwrap_or(0)
+        super::most_wanted(&self.parts)
     }
 
     fn observe(&mut self, token: u32, candidates: &[u32], logits: &[f32]) {
-        for (drafter, _) in &mut self.parts {
-            let wanted = drafter.candidates_wanted();
-            if wanted > 0 {
-                let n = wanted.min(candidates.len()).min(logits.len());
-                drafter.observe(token, &candidates[..n], &logits[..n]);
-            }
-        }
+        super::observe_each(&mut self.parts, token, candidates, logits);
     }
 
     fn verified(&mut self, tree: &DraftTree, best: &[u32]) {

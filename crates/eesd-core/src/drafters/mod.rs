@@ -20,6 +20,31 @@ pub use round_cost::RoundCost;
 pub use spec::{DrafterKind, DrafterSpec};
 pub use thompson::ThompsonDrafters;
 
+/// Drafters that share the rounds of one generator, each with its node cap ([`Fused`],
+/// [`ThompsonDrafters`]).
+type Capped = (Box<dyn crate::drafter::Drafter + Send>, usize);
+
+/// The most candidates per verified row any of `drafters` wants.
+fn most_wanted(drafters: &[Capped]) -> usize {
+    drafters
+        .iter()
+        .map(|(d, _)| d.candidates_wanted())
+        .max()
+        .unwrap_or(0)
+}
+
+/// Shows one verified row to every drafter that observes, with as many of the candidates as it
+/// wants.
+fn observe_each(drafters: &mut [Capped], token: u32, candidates: &[u32], logits: &[f32]) {
+    for (drafter, _) in drafters {
+        let wanted = drafter.candidates_wanted();
+        if wanted > 0 {
+            let n = wanted.min(candidates.len()).min(logits.len());
+            drafter.observe(token, &candidates[..n], &logits[..n]);
+        }
+    }
+}
+
 /// A candidate of a best-first tree search, ordered by the probability that its path is
 /// accepted (a max-heap pops the most probable first).
 struct Likely<T> {

@@ -17,7 +17,7 @@ use crate::tree::DraftTree;
 /// Several drafters (each with its own node cap), one chosen per round by Thompson Sampling
 /// on the round's accepted tokens (plus the target's own) per second of wall time.
 pub struct ThompsonDrafters {
-    arms: Vec<(Box<dyn Drafter + Send>, usize)>,
+    arms: Vec<super::Capped>,
     ts: RewardTs,
     /// The arm that proposed the current round's tree.
     chosen: usize,
@@ -73,21 +73,11 @@ impl Drafter for ThompsonDrafters {
     }
 
     fn candidates_wanted(&self) -> usize {
-        self.arms
-            .iter()
-            .map(|(d, _)| d.candidates_wanted())
-            .max()
-            .unwrap_or(0)
+        super::most_wanted(&self.arms)
     }
 
     fn observe(&mut self, token: u32, candidates: &[u32], logits: &[f32]) {
-        for (drafter, _) in &mut self.arms {
-            let wanted = drafter.candidates_wanted();
-            if wanted > 0 {
-                let n = wanted.min(candidates.len()).min(logits.len());
-                drafter.observe(token, &candidates[..n], &logits[..n]);
-            }
-        }
+        super::observe_each(&mut self.arms, token, candidates, logits);
     }
 
     fn verified(&mut self, tree: &DraftTree, best: &[u32]) {
