@@ -184,6 +184,8 @@ struct Totals {
     divergences: usize,
     accepted_histogram: Vec<usize>,
     drafted_histogram: Vec<usize>,
+    /// Rounds per drafter of a drafter choice (`ts:`), by drafter name.
+    choices: BTreeMap<String, u64>,
 }
 
 fn add_histogram(total: &mut Vec<usize>, add: &[usize]) {
@@ -232,6 +234,7 @@ impl Totals {
             "divergences": self.divergences, "tokens": self.tokens, "runs": self.runs,
             "accepted_histogram": self.accepted_histogram,
             "drafted_histogram": self.drafted_histogram,
+            "drafter_rounds": self.choices,
         })
     }
 }
@@ -309,7 +312,17 @@ fn main() -> Result<()> {
                         tree_budget: spec.budget,
                         ..base.clone()
                     };
-                    g.generate(&prompt, &config, go)?
+                    let before = g.drafter().map(|d| d.choices()).unwrap_or_default();
+                    let out = g.generate(&prompt, &config, go)?;
+                    let after = g.drafter().map(|d| d.choices()).unwrap_or_default();
+                    for t in [&q.category, "overall"] {
+                        let choices = &mut totals[i + 1].entry(t.to_string()).or_default().choices;
+                        for (j, (name, rounds)) in after.iter().enumerate() {
+                            let earlier = before.get(j).map_or(0, |b| b.1);
+                            *choices.entry(name.clone()).or_default() += rounds - earlier;
+                        }
+                    }
+                    out
                 }
                 _ => unreachable!("runners are built from their methods"),
             };
@@ -378,6 +391,13 @@ fn main() -> Result<()> {
                 1e3 * v.verify_seconds / v.rounds.max(1) as f64,
                 v.divergences
             );
+        }
+    }
+    for (name, t) in names.iter().zip(&totals) {
+        let choices = &t["overall"].choices;
+        if !choices.is_empty() {
+            let rounds: Vec<String> = choices.iter().map(|(d, n)| format!("{d} {n}")).collect();
+            table += &format!("\n`{name}`: rounds per drafter: {}\n", rounds.join(", "));
         }
     }
     if let Some(dir) = &args.out {

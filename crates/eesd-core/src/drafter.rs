@@ -56,6 +56,13 @@ pub trait Drafter {
         let _ = (rows, seconds);
     }
 
+    /// For a drafter that picks one of several drafters each round
+    /// ([`crate::drafters::ThompsonDrafters`]): each one's name and the rounds it drafted so
+    /// far, in order; empty for every other drafter.
+    fn choices(&self) -> Vec<(String, u64)> {
+        Vec::new()
+    }
+
     /// The layer whose hidden states this drafter reads ([`Drafter::features`]), in
     /// `1..=num_layers`; `None` (the default) for drafters that read tokens only.
     fn feature_layer(&self) -> Option<usize> {
@@ -102,6 +109,9 @@ impl<D: Drafter + ?Sized> Drafter for Box<D> {
     }
     fn round_time(&mut self, rows: usize, seconds: f64) {
         (**self).round_time(rows, seconds)
+    }
+    fn choices(&self) -> Vec<(String, u64)> {
+        (**self).choices()
     }
     fn feature_layer(&self) -> Option<usize> {
         (**self).feature_layer()

@@ -113,6 +113,10 @@ impl<M: LayeredModel, H: LookaheadHead<M>, D: Drafter> Drafter for HeadDrafter<'
         self.inner.round_time(rows, seconds);
     }
 
+    fn choices(&self) -> Vec<(String, u64)> {
+        self.inner.choices()
+    }
+
     fn feature_layer(&self) -> Option<usize> {
         Some(self.head.feature_layer())
     }

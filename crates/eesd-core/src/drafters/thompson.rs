@@ -93,6 +93,11 @@ impl Drafter for ThompsonDrafters {
         self.arms[self.chosen].0.emitted(tokens);
     }
 
+    fn choices(&self) -> Vec<(String, u64)> {
+        let names = self.arms.iter().map(|(d, _)| d.name());
+        names.zip(self.rounds.iter().copied()).collect()
+    }
+
     fn round_time(&mut self, rows: usize, seconds: f64) {
         self.arms[self.chosen].0.round_time(rows, seconds);
         if seconds > 0.0 {
@@ -166,6 +171,11 @@ mod tests {
         }
         let rounds = ts.rounds().to_vec();
         assert_eq!(rounds.iter().sum::<u64>(), 200);
+        let names = ["chain3".to_string(), "chain3".to_string()];
+        assert_eq!(
+            ts.choices(),
+            names.into_iter().zip(rounds.clone()).collect::<Vec<_>>()
+        );
         assert!(rounds[1] > 180, "{rounds:?}");
         // The right chain is capped at 2 nodes: 3 tokens per 0.01 s; the wrong one emits 1.
         let rates = ts.rates();
