@@ -57,8 +57,8 @@ pub trait Drafter {
     }
 
     /// For a drafter that picks one of several drafters each round
-    /// ([`crate::drafters::ThompsonDrafters`]): each one's name and the rounds it drafted so
-    /// far, in order; empty for every other drafter.
+    /// ([`crate::drafters::ThompsonDrafters`]): a label of each one (unique among them) and the
+    /// rounds it drafted so far, in order; empty for every other drafter.
     fn choices(&self) -> Vec<(String, u64)> {
         Vec::new()
     }

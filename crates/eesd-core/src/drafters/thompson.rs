@@ -93,8 +93,13 @@ impl Drafter for ThompsonDrafters {
         self.arms[self.chosen].0.emitted(tokens);
     }
 
+    /// Each drafter as `name@cap`: drafters of one kind with different caps (`ts:opt@4|opt@8`)
+    /// stay apart.
     fn choices(&self) -> Vec<(String, u64)> {
-        let names = self.arms.iter().map(|(d, _)| d.name());
+        let names = self
+            .arms
+            .iter()
+            .map(|(d, cap)| format!("{}@{cap}", d.name()));
         names.zip(self.rounds.iter().copied()).collect()
     }
 
@@ -171,7 +176,7 @@ mod tests {
         }
         let rounds = ts.rounds().to_vec();
         assert_eq!(rounds.iter().sum::<u64>(), 200);
-        let names = ["chain3".to_string(), "chain3".to_string()];
+        let names = ["chain3@8".to_string(), "chain3@2".to_string()];
         assert_eq!(
             ts.choices(),
             names.into_iter().zip(rounds.clone()).collect::<Vec<_>>()
