@@ -43,6 +43,9 @@ struct Args {
     /// Questions per category (the first ones of each).
     #[arg(long, default_value_t = 5)]
     per_category: usize,
+    /// Only these categories, comma-separated (default: all).
+    #[arg(long, value_delimiter = ',')]
+    categories: Vec<String>,
     /// Length of the greedy answers the heads are scored on.
     #[arg(long, default_value_t = 128)]
     max_new_tokens: usize,
@@ -147,7 +150,7 @@ fn main() -> Result<()> {
     if args.heads.is_empty() {
         bail!("--heads names no head");
     }
-    let questions = questions::load(&args.questions, args.per_category)?;
+    let questions = questions::load(&args.questions, args.per_category, &args.categories)?;
     let (lm, path, sha) = args.model.load()?;
     let candidates: Vec<Candidate> = args
         .heads

@@ -14,17 +14,25 @@ pub struct Question {
     pub turns: Vec<String>,
 }
 
-/// The first `per_category` questions of each category, in file order.
-pub fn load(path: &Path, per_category: usize) -> Result<Vec<Question>> {
+/// The first `per_category` questions of each category (of `categories` only, unless it is
+/// empty), in file order. A category named there but absent from the file is an error.
+pub fn load(path: &Path, per_category: usize, categories: &[String]) -> Result<Vec<Question>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?;
     let all: Vec<Question> = text
         .lines()
         .map(serde_json::from_str)
         .collect::<Result<_, _>>()
         .with_context(|| format!("{}", path.display()))?;
+    if let Some(missing) = categories
+        .iter()
+        .find(|c| !all.iter().any(|q| &q.category == *c))
+    {
+        anyhow::bail!("no category {missing:?} in {}", path.display());
+    }
     let mut seen: BTreeMap<String, usize> = BTreeMap::new();
     Ok(all
         .into_iter()
+        .filter(|q| categories.is_empty() || categories.contains(&q.category))
         .filter(|q| {
             let n = seen.entry(q.category.clone()).or_default();
             *n += 1;

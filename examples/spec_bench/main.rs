@@ -48,6 +48,9 @@ struct Args {
     /// Questions per category (the first ones of each).
     #[arg(long, default_value_t = 2)]
     per_category: usize,
+    /// Only these categories, comma-separated (default: all).
+    #[arg(long, value_delimiter = ',')]
+    categories: Vec<String>,
     /// New tokens per answer.
     #[arg(long, default_value_t = 128)]
     max_new_tokens: usize,
@@ -241,7 +244,7 @@ impl Totals {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let questions = questions::load(&args.questions, args.per_category)?;
+    let questions = questions::load(&args.questions, args.per_category, &args.categories)?;
     let (lm, path, sha) = args.model.load()?;
     let methods: Vec<Method> = args
         .methods

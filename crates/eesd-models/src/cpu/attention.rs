@@ -1,13 +1,15 @@
 //! Causal grouped-query attention of a block of new rows against keys and values on the host.
 //!
 //! Row `r` of a block whose first row sits at position `first` attends to positions
-//! `0..=first + r`. Keys are stored transposed in blocks of 8 positions
-//! (`[position / 8][kv_head][d][position % 8]`), so the scores of 8 positions come from one
+//! `0..=first + r`. Each kv head's keys are stored transposed in blocks of 8 positions
+//! (`[kv_head][position / 8][d][position % 8]`), so the scores of 8 positions come from one
 //! register: a fused multiply-add chain over the head dimension per lane, the query value
-//! broadcast, as in the matrix kernel. Values are stored `[position][kv_head][d]` and summed the
-//! same way over positions. Every score and output element is one chain in a fixed order that
-//! does not depend on the other rows, so a block gives the same bits as its rows one at a time
-//! (and the portable path the same bits as AVX2).
+//! broadcast, as in the matrix kernel. Values are stored `[kv_head][position][d]` and summed the
+//! same way over positions. A row's positions are cut into fixed chunks of [`CHUNK`], each with
+//! its own softmax, folded in order (as in flash-decoding): a long cache then splits into tasks
+//! for every thread even for a single row. Every score, partial and output element is one chain
+//! in a fixed order that depends only on the row's own positions, so a block gives the same bits
+//! as its rows one at a time (and the portable path the same bits as AVX2).
 
 use std::cell::RefCell;
 
@@ -43,15 +45,18 @@ impl Heads {
     }
 }
 
-/// Keys and values of one layer on the host, in the layout [`attend`] reads.
+/// Keys and values of one layer on the host, in the layout [`attend`] reads: each kv head's
+/// keys and values are one contiguous run, so a task reading a head's chunk streams memory in
+/// order (long caches come from DRAM, where scattered runs leave the prefetchers idle).
 #[derive(Debug, Clone, Default)]
 pub struct KvStore {
-    /// `[position / 8][kv_head][d][position % 8]`.
+    /// `[kv_head][position / 8][d][position % 8]`, `capacity` positions per head.
     k: Vec<f32>,
-    /// `[position][kv_head][d]`.
+    /// `[kv_head][position][d]`, `capacity` positions per head.
     v: Vec<f32>,
     kv_heads: usize,
     d: usize,
+    capacity: usize,
 }
 
 impl KvStore {
@@ -71,52 +76,76 @@ impl KvStore {
 
     /// Positions there is room for.
     pub fn capacity(&self) -> usize {
-        self.v.len() / (self.kv_heads * self.d).max(1)
+        self.capacity
     }
 
     /// Makes room for at least `positions` (keeping what is stored).
     pub fn reserve(&mut self, positions: usize) {
         let positions = positions.div_ceil(BLOCK) * BLOCK;
-        let width = self.kv_heads * self.d;
-        if self.v.len() < positions * width {
-            self.k.resize(positions * width, 0.0);
-            self.v.resize(positions * width, 0.0);
+        if positions <= self.capacity {
+            return;
         }
+        let (old, d) = (self.capacity * self.d, self.d);
+        let mut k = vec![0.0; self.kv_heads * positions * d];
+        let mut v = vec![0.0; self.kv_heads * positions * d];
+        for h in 0..self.kv_heads {
+            let (from, to) = (h * old, h * positions * d);
+            k[to..to + old].copy_from_slice(&self.k[from..from + old]);
+            v[to..to + old].copy_from_slice(&self.v[from..from + old]);
+        }
+        (self.k, self.v, self.capacity) = (k, v, positions);
+    }
+
+    /// Index of key element `c` of head `h` at `pos` in `k`.
+    fn key_at(&self, h: usize, pos: usize, c: usize) -> usize {
+        (h * self.capacity + pos / BLOCK * BLOCK) * self.d + c * BLOCK + pos % BLOCK
+    }
+
+    /// Index of value row `pos` of head `h` in `v`.
+    fn value_at(&self, h: usize, pos: usize) -> usize {
+        (h * self.capacity + pos) * self.d
     }
 
     /// Stores position `pos`'s keys and values (`[kv_head][d]` each); `pos` must be below
     /// [`KvStore::capacity`].
     pub fn write(&mut self, pos: usize, k: &[f32], v: &[f32]) {
-        let (heads, d) = (self.kv_heads, self.d);
-        let width = heads * d;
-        self.v[pos * width..(pos + 1) * width].copy_from_slice(v);
-        let block = &mut self.k[pos / BLOCK * width * BLOCK..][..width * BLOCK];
-        for (c, &value) in k.iter().enumerate() {
-            block[c * BLOCK + pos % BLOCK] = value;
+        let d = self.d;
+        for h in 0..self.kv_heads {
+            let at = self.value_at(h, pos);
+            self.v[at..at + d].copy_from_slice(&v[h * d..(h + 1) * d]);
+            for (c, &value) in k[h * d..(h + 1) * d].iter().enumerate() {
+                let at = self.key_at(h, pos, c);
+                self.k[at] = value;
+            }
         }
     }
 
     /// Copies position `from`'s keys and values to position `to` (both below the capacity).
     pub fn copy_position(&mut self, from: usize, to: usize) {
-        let width = self.kv_heads * self.d;
-        self.v
-            .copy_within(from * width..(from + 1) * width, to * width);
-        let (fb, tb) = (from / BLOCK * width * BLOCK, to / BLOCK * width * BLOCK);
-        for c in 0..width {
-            self.k[tb + c * BLOCK + to % BLOCK] = self.k[fb + c * BLOCK + from % BLOCK];
+        let d = self.d;
+        for h in 0..self.kv_heads {
+            let (f, t) = (self.value_at(h, from), self.value_at(h, to));
+            self.v.copy_within(f..f + d, t);
+            for c in 0..d {
+                let (f, t) = (self.key_at(h, from, c), self.key_at(h, to, c));
+                self.k[t] = self.k[f];
+            }
         }
     }
 
     /// The first `len` positions as `[position][kv_head][d]` rows: `(keys, values)`.
     pub fn rows(&self, len: usize) -> (Vec<f32>, Vec<f32>) {
-        let width = self.kv_heads * self.d;
-        let keys = (0..len * width)
-            .map(|at| {
-                let (pos, c) = (at / width, at % width);
-                self.k[pos / BLOCK * width * BLOCK + c * BLOCK + pos % BLOCK]
-            })
-            .collect();
-        (keys, self.v[..len * width].to_vec())
+        let (heads, d) = (self.kv_heads, self.d);
+        let mut keys = Vec::with_capacity(len * heads * d);
+        let mut values = Vec::with_capacity(len * heads * d);
+        for pos in 0..len {
+            for h in 0..heads {
+                keys.extend((0..d).map(|c| self.k[self.key_at(h, pos, c)]));
+                let at = self.value_at(h, pos);
+                values.extend_from_slice(&self.v[at..at + d]);
+            }
+        }
+        (keys, values)
     }
 
     /// A store holding `[position][kv_head][d]` rows of keys and values.
@@ -139,10 +168,14 @@ impl KvStore {
 /// the store.
 ///
 /// Without `tree`, row `r` attends to positions `0..=first + r` (a causal block). With it, row
-/// `r` attends to `0..first` and to the block rows [`TreeMask::ancestors`] names: its scores
-/// are computed as in the causal case and then compacted to those positions, and the value
-/// sum runs over them in the same order, so the row gets the bits it would get in a causal
-/// block holding only its path.
+/// `r` attends to `0..first` and to the block rows [`TreeMask::ancestors`] names, in that order:
+/// position `first + j` of its sequence stands for block row `ancestors[j]`, so the row gets the
+/// bits it would get in a causal block holding only its path.
+///
+/// A row's sequence is cut into chunks of [`CHUNK`] positions (by position, whatever the block):
+/// each chunk gets its own softmax (maximum, sum and weighted values), and the chunks are folded
+/// in order. Short sequences are one chunk; long ones give every thread work even for one row
+/// (a decoding step), since chunks of one row run as separate tasks.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     q: &[f32],
@@ -155,59 +188,150 @@ pub fn attend(
     pool: &Pool,
 ) {
     let Heads { q: nh, kv: nkv, d } = heads;
-    let rows = out.len() / (nh * d);
+    let rows = out.len() / (nh * d).max(1);
+    if rows == 0 {
+        return;
+    }
     debug_assert!(heads.supported() && kv.shape() == (nkv, d));
     debug_assert!(kv.capacity() >= first + rows && q.len() >= (rows - 1) * q_stride + nh * d);
     debug_assert!(tree.is_none_or(|t| t.rows() == rows));
     let group = nh / nkv;
     let isa = Isa::detect();
+    let len = |r: usize| match tree {
+        Some(t) => first + t.ancestors(r).len(),
+        None => first + r + 1,
+    };
+    let chunks = (0..rows).map(|r| len(r).div_ceil(CHUNK)).max().unwrap_or(1);
+    let threads = pool.threads();
     // Row tiles: the rows of a tile read each key and value block once, from L1, instead of
-    // once per row from L2/L3 (long caches do not fit L2). At least two tasks per thread.
-    let tiles = (2 * pool.threads())
-        .div_ceil(nkv)
-        .max(rows.div_ceil(MAX_TILE_ROWS))
-        .min(rows);
+    // once per row from L2/L3. One chunk per row: split the rows further so that every thread
+    // has at least two tasks. Several: full tiles, and chunks as tasks where tiles are few.
+    let tiles = match chunks {
+        1 => (2 * threads)
+            .div_ceil(nkv)
+            .max(rows.div_ceil(MAX_TILE_ROWS))
+            .min(rows),
+        _ => rows.div_ceil(MAX_TILE_ROWS),
+    };
     let per_tile = rows.div_ceil(tiles);
     let tiles = rows.div_ceil(per_tile);
-    let out_ptr = Disjoint(out.as_mut_ptr());
-    // Tasks of one kv head are consecutive, so the threads share its keys and values in cache.
-    pool.run(tiles * nkv, &|task| {
-        let (t, g) = (task % tiles, task / tiles);
+    let split = chunks > 1 && tiles * nkv < 2 * threads && rows <= MAX_SPLIT_ROWS;
+    let job = |t: usize, g: usize| {
         let r0 = t * per_tile;
-        let n = (per_tile).min(rows - r0);
-        let padded = (first + r0 + n).div_ceil(BLOCK) * BLOCK;
-        SCORES.with_borrow_mut(|scores| {
-            scores.resize(n * group * padded, 0.0);
-            let job = Tile {
-                q: &q[r0 * q_stride + g * group * d..],
-                q_stride,
-                group,
-                rows: n,
-                kv,
-                head: g,
-                first,
-                r0,
-                tree,
-                padded,
-            };
+        Tile {
+            q: &q[r0 * q_stride + g * group * d..],
+            q_stride,
+            group,
+            rows: per_tile.min(rows - r0),
+            kv,
+            head: g,
+            first,
+            r0,
+            tree,
+        }
+    };
+    let out_ptr = Disjoint(out.as_mut_ptr());
+    if !split {
+        // Tasks of one kv head are consecutive, so the threads share its keys and values.
+        pool.run(tiles * nkv, &|task| {
+            let (t, g) = (task % tiles, task / tiles);
+            let job = job(t, g);
             // SAFETY: task (t, g) writes only group g's query heads of the tile's rows, inside
             // `out` (rows r0..r0 + n of nh · d values).
-            let os = unsafe { out_ptr.ptr().add(r0 * nh * d + g * group * d) };
-            tile_for(isa, &job, scores, os, nh * d);
+            let os = unsafe { out_ptr.ptr().add(job.r0 * nh * d + g * group * d) };
+            tile_for(
+                isa,
+                &job,
+                Work::Fold {
+                    out: os,
+                    stride: nh * d,
+                },
+            );
         });
+        return;
+    }
+    // Chunks as tasks: each writes its partial softmax per row and query head, then the
+    // partials are folded in chunk order, exactly as a task holding every chunk folds them.
+    let part = d + 2;
+    PARTS.with_borrow_mut(|parts| {
+        parts.resize(rows * nh * chunks * part, 0.0);
+        let parts_ptr = Disjoint(parts.as_mut_ptr());
+        // Runs of consecutive chunks per task (at least about eight tasks per thread): longer
+        // streams for the prefetchers, the same partials.
+        let run = (chunks * nkv * tiles / (8 * threads)).max(1);
+        let runs = chunks.div_ceil(run);
+        pool.run(runs * nkv * tiles, &|task| {
+            let (t, g, j) = (task % tiles, task / tiles % nkv, task / (tiles * nkv));
+            let job = job(t, g);
+            for c in j * run..((j + 1) * run).min(job.chunks()) {
+                let at = Parts {
+                    // SAFETY: task (t, g, j) writes only chunks of run j of group g's heads
+                    // of the tile's rows, inside `parts` (rows · nh · chunks slots of `part`).
+                    base: unsafe {
+                        parts_ptr
+                            .ptr()
+                            .add(((job.r0 * nh + g * group) * chunks + c) * part)
+                    },
+                    row: nh * chunks * part,
+                    head: chunks * part,
+                };
+                tile_for(
+                    isa,
+                    &job,
+                    Work::Chunk {
+                        chunk: c,
+                        parts: at,
+                    },
+                );
+            }
+        });
+        let fold_group = |task: usize| {
+            let (r, g) = (task / nkv, task % nkv);
+            let n = len(r).div_ceil(CHUNK);
+            for h in g * group..(g + 1) * group {
+                let slots = (r * nh + h) * chunks * part;
+                // SAFETY: task (r, g) reads its own partials and writes only row r's heads of
+                // group g.
+                let (mine, o) = unsafe {
+                    (
+                        std::slice::from_raw_parts(parts_ptr.ptr().add(slots), n * part),
+                        std::slice::from_raw_parts_mut(out_ptr.ptr().add((r * nh + h) * d), d),
+                    )
+                };
+                fold_for(isa, mine, o);
+            }
+        };
+        // Folding is light: on this thread unless there is much of it.
+        if rows * chunks <= SERIAL_FOLDS {
+            (0..rows * nkv).for_each(fold_group);
+        } else {
+            pool.run(rows * nkv, &fold_group);
+        }
     });
 }
 
+/// Positions per softmax chunk (a multiple of [`VALUE_CHUNK`] and [`BLOCK`]).
+pub const CHUNK: usize = 128;
+
 /// Most rows per attention task.
 const MAX_TILE_ROWS: usize = 8;
+
+/// Most rows of a block whose chunks run as separate tasks (their partials are kept).
+const MAX_SPLIT_ROWS: usize = 64;
+
+/// Most row chunks whose partials the calling thread folds alone.
+const SERIAL_FOLDS: usize = 64;
 
 /// Positions per chunk of the shared value sum: the chunk's value rows stay in L1 while every
 /// row of the tile adds them.
 const VALUE_CHUNK: usize = 64;
 
 thread_local! {
-    /// Score buffer reused by every call on this thread.
-    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Scratch of a task (scores, a tree row's own scores, partials), reused by every call on
+    /// this thread.
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Partials of a block whose chunks run as separate tasks, on the calling thread.
+    static PARTS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// The query heads that share kv head `head`, for block rows `r0..r0 + rows`: row `r0 + i`
@@ -224,40 +348,152 @@ struct Tile<'a> {
     first: usize,
     r0: usize,
     tree: Option<&'a TreeMask>,
-    /// Score row length (whole key blocks of the tile's last row).
-    padded: usize,
 }
 
 impl Tile<'_> {
-    /// Positions row `i` of the tile scores: the causal ones up to its own.
-    fn scored(&self, i: usize) -> usize {
-        self.first + self.r0 + i + 1
+    /// Positions of row `i`'s sequence.
+    fn len(&self, i: usize) -> usize {
+        match self.tree {
+            Some(t) => self.first + t.ancestors(self.r0 + i).len(),
+            None => self.first + self.r0 + i + 1,
+        }
     }
 
-    /// `(contiguous, tail)`: row `i` sums values over positions `0..contiguous`, then over
-    /// `first + tail[j]` (its ancestors, for a tree row).
-    fn used(&self, i: usize) -> (usize, &[usize]) {
+    /// Positions of row `i`'s sequence that are the store's positions (the rest are `tail`).
+    fn contiguous(&self, i: usize) -> usize {
         match self.tree {
-            Some(tree) => (self.first, tree.ancestors(self.r0 + i)),
-            None => (self.scored(i), &[]),
+            Some(_) => self.first,
+            None => self.len(i),
+        }
+    }
+
+    /// The block rows after `contiguous` of a tree row (its ancestors, itself last).
+    fn tail(&self, i: usize) -> &[usize] {
+        self.tree.map_or(&[], |t| t.ancestors(self.r0 + i))
+    }
+
+    /// Chunks of the tile's longest sequence.
+    fn chunks(&self) -> usize {
+        (0..self.rows)
+            .map(|i| self.len(i).div_ceil(CHUNK))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Store row of position `p` of row `i`'s sequence.
+    fn store_row(&self, i: usize, p: usize) -> usize {
+        match p < self.contiguous(i) {
+            true => p,
+            false => self.first + self.tail(i)[p - self.first],
         }
     }
 }
 
-fn tile_for(isa: Isa, job: &Tile<'_>, scores: &mut [f32], out: *mut f32, out_stride: usize) {
+/// Where a chunk's partials go: `[values (d), maximum, sum]` of row `i`, head `h` at
+/// `base + i · row + h · head`.
+#[derive(Clone, Copy)]
+struct Parts {
+    base: *mut f32,
+    row: usize,
+    head: usize,
+}
+
+impl Parts {
+    fn at(&self, i: usize, h: usize) -> *mut f32 {
+        self.base.wrapping_add(i * self.row + h * self.head)
+    }
+}
+
+/// What a task does with its tile.
+#[derive(Clone, Copy)]
+enum Work {
+    /// Every chunk, folded in order into the outputs (row `i` at `out + i · stride`).
+    Fold { out: *mut f32, stride: usize },
+    /// One chunk's partials.
+    Chunk { chunk: usize, parts: Parts },
+}
+
+fn tile_for(isa: Isa, job: &Tile<'_>, work: Work) {
+    SCRATCH.with_borrow_mut(|scratch| {
+        let own = match job.tree {
+            Some(_) => own_span(job, job.rows - 1),
+            None => 0,
+        };
+        let (d, g, n) = (job.kv.d, job.group, job.rows);
+        scratch.resize(n * g * (CHUNK + d + 2 + own), 0.0);
+        match isa.supported() {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx512 => {
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2(job: &Tile<'_>, scratch: &mut [f32], work: Work) {
+                    unsafe { group_tiled::<std::arch::x86_64::__m256>(job, scratch, work) }
+                }
+                // SAFETY: the CPU has AVX2 and FMA; `work` as promised by `attend`.
+                unsafe { avx2(job, scratch, work) }
+            }
+            // SAFETY: portable lanes need no special instructions; `work` as promised.
+            _ => unsafe { group_tiled::<Soft<8>>(job, scratch, work) },
+        }
+    });
+}
+
+/// Folds the partials `parts` (`[values, maximum, sum]` per chunk, in order) into `out`.
+fn fold_for(isa: Isa, parts: &[f32], out: &mut [f32]) {
+    let d = out.len();
     match isa.supported() {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512 => {
             #[target_feature(enable = "avx2,fma")]
-            unsafe fn avx2(job: &Tile<'_>, scores: &mut [f32], out: *mut f32, stride: usize) {
-                unsafe { group_tiled::<std::arch::x86_64::__m256>(job, scores, out, stride) }
+            unsafe fn avx2(parts: &[f32], out: &mut [f32], d: usize) {
+                fold_all(parts, out, d)
             }
-            // SAFETY: the CPU has AVX2 and FMA; `out` as promised by `attend`.
-            unsafe { avx2(job, scores, out, out_stride) }
+            // SAFETY: the CPU has AVX2 and FMA.
+            unsafe { avx2(parts, out, d) }
         }
-        // SAFETY: portable lanes need no special instructions; `out` as promised by `attend`.
-        _ => unsafe { group_tiled::<Soft<8>>(job, scores, out, out_stride) },
+        _ => fold_all(parts, out, d),
     }
+}
+
+#[inline(always)]
+fn fold_all(parts: &[f32], out: &mut [f32], d: usize) {
+    let mut chunks = parts.chunks_exact(d + 2);
+    let Some(head) = chunks.next() else { return };
+    out.copy_from_slice(&head[..d]);
+    let (mut m, mut l) = (head[d], head[d + 1]);
+    for part in chunks {
+        fold(&mut m, &mut l, out, part);
+    }
+    finish(l, out);
+}
+
+/// Adds a chunk's partial `[values, maximum, sum]` to the running `(m, l, out)` of the chunks
+/// before it: both rescaled to the larger maximum.
+#[inline(always)]
+fn fold(m: &mut f32, l: &mut f32, out: &mut [f32], part: &[f32]) {
+    let d = out.len();
+    let (pm, pl) = (part[d], part[d + 1]);
+    let top = if pm > *m { pm } else { *m };
+    let (a, b) = (exp(*m - top), exp(pm - top));
+    *m = top;
+    *l = pl.mul_add(b, *l * a);
+    for (o, &v) in out.iter_mut().zip(&part[..d]) {
+        *o = v.mul_add(b, *o * a);
+    }
+}
+
+/// `out /= l`, as one multiplication by `1 / l`.
+#[inline(always)]
+fn finish(l: f32, out: &mut [f32]) {
+    let inv = 1.0 / l;
+    for v in out {
+        *v *= inv;
+    }
+}
+
+/// Scores of a tree row `i`'s own block positions: from the key block holding `first` to its own
+/// row (whole blocks).
+fn own_span(job: &Tile<'_>, i: usize) -> usize {
+    (job.first + job.r0 + i + 1).div_ceil(BLOCK) * BLOCK - job.first / BLOCK * BLOCK
 }
 
 /// Picks register tiles for the group size: `G` query heads, `T` key blocks per score tile and
@@ -266,81 +502,163 @@ fn tile_for(isa: Isa, job: &Tile<'_>, scores: &mut [f32], out: *mut f32, out_str
 /// run side by side, never the order within a chain.
 ///
 /// # Safety
-/// As [`group`].
+/// As [`run`].
 #[inline(always)]
-unsafe fn group_tiled<V: Lanes>(job: &Tile<'_>, scores: &mut [f32], out: *mut f32, stride: usize) {
+unsafe fn group_tiled<V: Lanes>(job: &Tile<'_>, scratch: &mut [f32], work: Work) {
     unsafe {
         match job.group {
-            1 => group::<V, 1, 8, 8>(job, scores, out, stride),
-            2 => group::<V, 2, 4, 4>(job, scores, out, stride),
-            3 => group::<V, 3, 3, 4>(job, scores, out, stride),
-            4 => group::<V, 4, 2, 2>(job, scores, out, stride),
-            5 => group::<V, 5, 2, 2>(job, scores, out, stride),
-            6 => group::<V, 6, 1, 1>(job, scores, out, stride),
-            7 => group::<V, 7, 1, 1>(job, scores, out, stride),
-            _ => group::<V, 8, 1, 1>(job, scores, out, stride),
+            1 => run::<V, 1, 8, 8>(job, scratch, work),
+            2 => run::<V, 2, 4, 4>(job, scratch, work),
+            3 => run::<V, 3, 3, 4>(job, scratch, work),
+            4 => run::<V, 4, 2, 2>(job, scratch, work),
+            5 => run::<V, 5, 2, 2>(job, scratch, work),
+            6 => run::<V, 6, 1, 1>(job, scratch, work),
+            7 => run::<V, 7, 1, 1>(job, scratch, work),
+            _ => run::<V, 8, 1, 1>(job, scratch, work),
         }
     }
 }
 
-/// Scores (`scores: [rows][G][padded]`), softmax and weighted values of one [`Tile`] of `G`
-/// query heads per row into `out` (row `i` at `out + i · stride`, `G · d` values).
+/// Does `work` for one [`Tile`] of `G` query heads per row.
+///
+/// # Safety
+/// `V` has 8 lanes and its instructions are supported; `scratch` is as [`tile_for`] sizes it;
+/// the pointers of `work` are as [`attend`] promises.
+#[inline(always)]
+unsafe fn run<V: Lanes, const G: usize, const T: usize, const C: usize>(
+    job: &Tile<'_>,
+    scratch: &mut [f32],
+    work: Work,
+) {
+    let d = job.kv.d;
+    let (n, part) = (job.rows, d + 2);
+    let (scores, rest) = scratch.split_at_mut(n * G * CHUNK);
+    let (partials, own) = rest.split_at_mut(n * G * part);
+    unsafe {
+        match work {
+            Work::Chunk { chunk: c, parts } => chunk::<V, G, T, C>(job, c, scores, own, parts),
+            Work::Fold { out, stride } => {
+                let parts = Parts {
+                    base: partials.as_mut_ptr(),
+                    row: G * part,
+                    head: part,
+                };
+                let mut state = [[(0f32, 0f32); G]; MAX_TILE_ROWS];
+                for c in 0..job.chunks() {
+                    chunk::<V, G, T, C>(job, c, scores, own, parts);
+                    for (i, state) in state.iter_mut().enumerate().take(n) {
+                        if job.len(i) <= c * CHUNK {
+                            continue;
+                        }
+                        for (h, (m, l)) in state.iter_mut().enumerate() {
+                            let p = std::slice::from_raw_parts(parts.at(i, h), part);
+                            let o = std::slice::from_raw_parts_mut(out.add(i * stride + h * d), d);
+                            match c {
+                                0 => {
+                                    o.copy_from_slice(&p[..d]);
+                                    (*m, *l) = (p[d], p[d + 1]);
+                                }
+                                _ => fold(m, l, o, p),
+                            }
+                        }
+                    }
+                }
+                for (i, state) in state.iter().enumerate().take(n) {
+                    for (h, &(_, l)) in state.iter().enumerate() {
+                        finish(
+                            l,
+                            std::slice::from_raw_parts_mut(out.add(i * stride + h * d), d),
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Chunk `c` of every row of the tile that reaches it: scores, softmax (maximum, exponentials
+/// and their sum) and the weighted values, written to `parts`.
 ///
 /// Each score and each output element is one chain over positions in the order a single row
 /// would use: the tile only shares loads (key blocks across rows, value chunks across rows,
-/// partial sums parked in `out` between chunks, which is exact).
+/// partial sums parked in `parts` between value chunks, which is exact).
 ///
 /// # Safety
-/// `V` has 8 lanes and its instructions are supported; the store, slices and `out` match
-/// (see [`attend`]).
+/// As [`run`]; `scores` holds `rows · G · CHUNK` values and `own` (tree tiles) `rows · G ·`
+/// [`own_span`] values.
 #[inline(always)]
-unsafe fn group<V: Lanes, const G: usize, const T: usize, const C: usize>(
+unsafe fn chunk<V: Lanes, const G: usize, const T: usize, const C: usize>(
     job: &Tile<'_>,
+    c: usize,
     scores: &mut [f32],
-    out: *mut f32,
-    stride: usize,
+    own: &mut [f32],
+    parts: Parts,
 ) {
     debug_assert_eq!(V::WIDTH, BLOCK);
-    let (heads, d) = job.kv.shape();
-    let padded = job.padded;
+    let d = job.kv.d;
     let scale = 1.0 / (d as f32).sqrt();
+    let lo = c * CHUNK;
+    let n = job.rows;
+    // Row i's positions in this chunk: lo..hi(i); lo..stored(i) are store positions read by
+    // key blocks, the rest (a tree row's tail) come from its own scores.
+    let hi = |i: usize| job.len(i).clamp(lo, lo + CHUNK);
+    let stored = |i: usize| job.contiguous(i).clamp(lo, hi(i));
     unsafe {
-        // Scores, 8 positions per register: s[p] = Σ_c q[c] · k[p][c], one chain per lane; a
-        // tile of T key blocks serves every row of the tile while it is in L1.
-        let keys = job.kv.k.as_ptr().add(job.head * d * BLOCK);
-        let block_stride = heads * d * BLOCK;
+        let keys = job.kv.k.as_ptr().add(job.kv.key_at(job.head, 0, 0));
+        let block_stride = d * BLOCK;
         let sp = scores.as_mut_ptr();
         let row_q = |i: usize| job.q.as_ptr().add(i * job.q_stride);
-        let row_s = |i: usize| sp.add(i * G * padded);
-        let mut block = 0;
-        while block < padded / BLOCK {
-            for i in 0..job.rows {
-                let blocks = job.scored(i).div_ceil(BLOCK);
+        let row_s = |i: usize| sp.add(i * G * CHUNK);
+        // Scores, 8 positions per register: s[p] = Σ_c q[c] · k[p][c], one chain per lane; a
+        // tile of T key blocks serves every row of the tile while it is in L1.
+        let end = (0..n).map(stored).max().unwrap_or(lo);
+        let mut block = lo / BLOCK;
+        while block * BLOCK < end {
+            for i in 0..n {
+                let blocks = stored(i).div_ceil(BLOCK);
+                let at = |b: usize| row_s(i).add((b - lo / BLOCK) * BLOCK);
+                let key = |b: usize| keys.add(b * block_stride);
                 if block + T <= blocks {
-                    score_tile::<V, G, T>(row_q(i), d, keys, block_stride, block, row_s(i), padded);
+                    score_tile::<V, G, T>(row_q(i), d, key(block), block_stride, at(block), CHUNK);
                 } else {
                     for b in block..blocks {
-                        score_tile::<V, G, 1>(row_q(i), d, keys, block_stride, b, row_s(i), padded);
+                        score_tile::<V, G, 1>(row_q(i), d, key(b), block_stride, at(b), CHUNK);
                     }
                 }
             }
             block += T;
         }
-        // Per row: a tree row keeps the scores of its ancestors only, in order (positions
-        // first..first + tail.len() then stand for the rows listed in tail); then the softmax
-        // per head over the used positions (unnormalised; the sum divides at the end).
-        let mut inv = [[0f32; G]; MAX_TILE_ROWS];
-        for (i, inv) in inv.iter_mut().enumerate().take(job.rows) {
-            let (contiguous, tail) = job.used(i);
-            let used = contiguous + tail.len();
-            for (h, inv) in inv.iter_mut().enumerate() {
-                let s = &mut scores[(i * G + h) * padded..(i * G + h + 1) * padded];
-                if job.tree.is_some() {
-                    for (j, &row) in tail.iter().enumerate() {
-                        s[contiguous + j] = s[contiguous + row];
+        // A tree row's tail: its own block positions' scores, then the ancestors' in order.
+        if job.tree.is_some() {
+            let base = job.first / BLOCK;
+            let span = own_span(job, n - 1);
+            for i in (0..n).filter(|&i| hi(i) > stored(i)) {
+                let o = own.as_mut_ptr().add(i * G * span);
+                let blocks = (job.first + job.r0 + i + 1).div_ceil(BLOCK);
+                for b in base..blocks {
+                    let at = o.add((b - base) * BLOCK);
+                    score_tile::<V, G, 1>(
+                        row_q(i),
+                        d,
+                        keys.add(b * block_stride),
+                        block_stride,
+                        at,
+                        span,
+                    );
+                }
+                for h in 0..G {
+                    for p in stored(i)..hi(i) {
+                        let row = job.store_row(i, p);
+                        *row_s(i).add(h * CHUNK + p - lo) = *o.add(h * span + row - base * BLOCK);
                     }
                 }
-                let s = &mut s[..used];
+            }
+        }
+        // Per row and head: the softmax over the chunk's positions (unnormalised; the sum
+        // divides at the end), its maximum and sum kept with the partial.
+        for i in (0..n).filter(|&i| hi(i) > lo) {
+            for h in 0..G {
+                let s = std::slice::from_raw_parts_mut(row_s(i).add(h * CHUNK), hi(i) - lo);
                 for x in s.iter_mut() {
                     *x *= scale;
                 }
@@ -348,78 +666,68 @@ unsafe fn group<V: Lanes, const G: usize, const T: usize, const C: usize>(
                 for x in s.iter_mut() {
                     *x = exp(*x - max);
                 }
-                *inv = 1.0 / sum(s);
+                let p = parts.at(i, h);
+                *p.add(d) = max;
+                *p.add(d + 1) = sum(s);
             }
         }
-        // out[h][c] = Σ_p prob[h][p] · v[p][c], C columns of 8 at a time: the cached positions
-        // in chunks shared by all rows, then each row's own positions.
-        let values = job.kv.v.as_ptr().add(job.head * d);
-        let width = heads * d;
-        let sums = |i: usize| {
-            let (contiguous, tail) = job.used(i);
-            ValueSums {
-                probs: sp.add(i * G * padded),
-                padded,
-                contiguous,
-                tail,
-                values,
-                width,
-            }
+        // out[h][c] = Σ_p prob[h][p] · v[p][c], C columns of 8 at a time: the store positions
+        // in value chunks shared by all rows, then each tree row's tail.
+        let values = job.kv.v.as_ptr().add(job.kv.value_at(job.head, 0));
+        let width = d;
+        let sums = |i: usize| ValueSums {
+            probs: row_s(i),
+            values,
+            width,
+            head: parts.head,
         };
         let cols = d / BLOCK;
-        // A single row gains nothing from chunks: one pass over its positions.
-        let chunk_len = if job.rows == 1 {
-            job.first
-        } else {
-            VALUE_CHUNK
-        };
+        // A single row gains nothing from value chunks: one pass over its positions.
+        let step = if n == 1 { CHUNK } else { VALUE_CHUNK };
         let mut col = 0;
         while col < cols {
             let wide = col + C <= cols;
-            let mut chunk = 0;
-            while chunk < job.first {
-                let end = (chunk + chunk_len).min(job.first);
-                for i in 0..job.rows {
-                    let o = out.add(i * stride);
+            let mut from = lo;
+            while from < end {
+                let to = (from + step).min(end);
+                for i in 0..n {
+                    let range = from..to.min(stored(i));
+                    if range.is_empty() {
+                        continue;
+                    }
+                    let rows = range.map(|p| (p - lo, p));
+                    let (s, o) = (sums(i), parts.at(i, 0));
                     match wide {
-                        true => value_tile::<V, G, C>(&sums(i), chunk..end, false, col, o, d),
-                        false => value_tile::<V, G, 1>(&sums(i), chunk..end, false, col, o, d),
+                        true => value_tile::<V, G, C, _>(&s, rows, from > lo, col, o),
+                        false => value_tile::<V, G, 1, _>(&s, rows, from > lo, col, o),
                     }
                 }
-                chunk = end;
+                from = to;
             }
-            for i in 0..job.rows {
-                let (s, o) = (sums(i), out.add(i * stride));
-                let own = job.first..s.contiguous;
+            for i in (0..n).filter(|&i| hi(i) > stored(i)) {
+                let rows = (stored(i)..hi(i)).map(|p| (p - lo, job.store_row(i, p)));
+                let (s, o) = (sums(i), parts.at(i, 0));
                 match wide {
-                    true => value_tile::<V, G, C>(&s, own, true, col, o, d),
-                    false => value_tile::<V, G, 1>(&s, own, true, col, o, d),
+                    true => value_tile::<V, G, C, _>(&s, rows, stored(i) > lo, col, o),
+                    false => value_tile::<V, G, 1, _>(&s, rows, stored(i) > lo, col, o),
                 }
             }
             col += if wide { C } else { 1 };
         }
-        for (i, inv) in inv.iter().enumerate().take(job.rows) {
-            for (h, inv) in inv.iter().enumerate() {
-                let row = std::slice::from_raw_parts_mut(out.add(i * stride + h * d), d);
-                for v in row {
-                    *v *= inv;
-                }
-            }
-        }
     }
 }
 
-/// Scores of `G` heads against key blocks `block..block + T`.
+/// Scores of `G` heads against the `T` key blocks from `keys` (blocks `block_stride` apart),
+/// stored at `scores + h · padded + t · 8`.
 ///
 /// # Safety
-/// As [`group`].
+/// As [`run`].
 #[inline(always)]
 unsafe fn score_tile<V: Lanes, const G: usize, const T: usize>(
     q: *const f32,
     d: usize,
     keys: *const f32,
     block_stride: usize,
-    block: usize,
     scores: *mut f32,
     padded: usize,
 ) {
@@ -431,7 +739,7 @@ unsafe fn score_tile<V: Lanes, const G: usize, const T: usize>(
                 *q_h = V::splat(q.add(h * d + c));
             }
             for (t, acc) in acc.iter_mut().enumerate() {
-                let k = V::load(keys.add((block + t) * block_stride + c * BLOCK));
+                let k = V::load(keys.add(t * block_stride + c * BLOCK));
                 for (a, q_h) in acc.iter_mut().zip(&qs) {
                     *a = V::mul_add(*q_h, k, *a);
                 }
@@ -439,86 +747,65 @@ unsafe fn score_tile<V: Lanes, const G: usize, const T: usize>(
         }
         for (t, acc) in acc.iter().enumerate() {
             for (h, a) in acc.iter().enumerate() {
-                a.store(scores.add(h * padded + (block + t) * BLOCK));
+                a.store(scores.add(h * padded + t * BLOCK));
             }
         }
     }
 }
 
-/// `acc[h] += prob[h][p] · v[row][col..col + C]`, one fused multiply-add per element.
-///
-/// # Safety
-/// As [`group`].
-#[inline(always)]
-unsafe fn add_row<V: Lanes, const G: usize, const C: usize>(
-    acc: &mut [[V; C]; G],
-    s: &ValueSums<'_>,
-    p: usize,
-    row: usize,
-    col: usize,
-) {
-    unsafe {
-        let row = s.values.add(row * s.width + col * BLOCK);
-        let mut weights = [V::zero(); G];
-        for (h, w) in weights.iter_mut().enumerate() {
-            *w = V::splat(s.probs.add(h * s.padded + p));
-        }
-        for j in 0..C {
-            let v = V::load(row.add(j * BLOCK));
-            for (acc, w) in acc.iter_mut().zip(&weights) {
-                acc[j] = V::mul_add(*w, v, acc[j]);
-            }
-        }
-    }
-}
-
-/// Where a value sum reads: probabilities `probs: [G][padded]` and value rows `width` apart;
-/// positions `0..contiguous` are rows `0..contiguous`, then position `contiguous + j` is row
-/// `contiguous + tail[j]` (a tree row's ancestors).
-struct ValueSums<'a> {
+/// Where a value sum reads and writes: probabilities `probs: [G][CHUNK]` (indexed from the
+/// chunk's start), value rows `width` apart, and the heads' sums `head` apart.
+struct ValueSums {
     probs: *const f32,
-    padded: usize,
-    contiguous: usize,
-    tail: &'a [usize],
     values: *const f32,
     width: usize,
+    head: usize,
 }
 
-/// Adds positions `range` (and, with `tail`, the tail positions) of [`ValueSums`] into the
-/// weighted sums of `G` heads over value columns `col..col + C` (each 8 wide) at `out`,
-/// continuing the sums stored there unless `range` starts at position 0.
+/// Adds `(probability index, value row)` pairs `rows` into the weighted sums of `G` heads over
+/// value columns `col..col + C` (each 8 wide) at `out`, continuing the sums stored there when
+/// `more`.
 ///
 /// # Safety
-/// As [`group`].
+/// As [`run`].
 #[inline(always)]
-unsafe fn value_tile<V: Lanes, const G: usize, const C: usize>(
-    s: &ValueSums<'_>,
-    range: std::ops::Range<usize>,
-    tail: bool,
+unsafe fn value_tile<
+    V: Lanes,
+    const G: usize,
+    const C: usize,
+    I: Iterator<Item = (usize, usize)>,
+>(
+    s: &ValueSums,
+    rows: I,
+    more: bool,
     col: usize,
     out: *mut f32,
-    d: usize,
 ) {
     unsafe {
         let mut acc = [[V::zero(); C]; G];
-        if range.start > 0 {
+        if more {
             for (h, acc) in acc.iter_mut().enumerate() {
                 for (j, a) in acc.iter_mut().enumerate() {
-                    *a = V::load(out.add(h * d + (col + j) * BLOCK));
+                    *a = V::load(out.add(h * s.head + (col + j) * BLOCK));
                 }
             }
         }
-        for p in range {
-            add_row::<V, G, C>(&mut acc, s, p, p, col);
-        }
-        if tail {
-            for (j, &row) in s.tail.iter().enumerate() {
-                add_row::<V, G, C>(&mut acc, s, s.contiguous + j, s.contiguous + row, col);
+        for (p, row) in rows {
+            let v_row = s.values.add(row * s.width + col * BLOCK);
+            let mut weights = [V::zero(); G];
+            for (h, w) in weights.iter_mut().enumerate() {
+                *w = V::splat(s.probs.add(h * CHUNK + p));
+            }
+            for j in 0..C {
+                let v = V::load(v_row.add(j * BLOCK));
+                for (acc, w) in acc.iter_mut().zip(&weights) {
+                    acc[j] = V::mul_add(*w, v, acc[j]);
+                }
             }
         }
         for (h, acc) in acc.iter().enumerate() {
             for (j, a) in acc.iter().enumerate() {
-                a.store(out.add(h * d + (col + j) * BLOCK));
+                a.store(out.add(h * s.head + (col + j) * BLOCK));
             }
         }
     }
@@ -576,13 +863,11 @@ mod tests {
     ) -> Vec<f32> {
         let mut out = vec![0f32; q.len()];
         if isa_portable {
-            // One row per tile, the portable lanes.
+            // One row per tile, the portable lanes, every chunk folded in one task.
             let w = h.q * h.d;
             for r in 0..q.len() / w {
                 let group = h.q / h.kv;
                 for g in 0..h.kv {
-                    let padded = (first + r + 1).div_ceil(BLOCK) * BLOCK;
-                    let mut scores = vec![0f32; group * padded];
                     let job = Tile {
                         q: &q[r * w + g * group * h.d..],
                         q_stride: w,
@@ -593,10 +878,9 @@ mod tests {
                         first: first + r,
                         r0: 0,
                         tree: None,
-                        padded,
                     };
                     let o = out[r * w + g * group * h.d..].as_mut_ptr();
-                    tile_for(Isa::Portable, &job, &mut scores, o, w);
+                    tile_for(Isa::Portable, &job, Work::Fold { out: o, stride: w });
                 }
             }
         } else {
@@ -621,9 +905,11 @@ mod tests {
     }
 
     fn check(h: Heads) {
-        // A short cache, and one longer than a value chunk with rows over several tiles.
+        // A short cache (one softmax chunk); one longer than a value chunk with rows over
+        // several tiles and two chunks; several chunks, rows crossing a chunk boundary.
         check_block(h, 13, 5);
         check_block(h, 150, 19);
+        check_block(h, 3 * CHUNK - 2, 5);
     }
 
     fn check_block(h: Heads, first: usize, rows: usize) {
@@ -656,13 +942,29 @@ mod tests {
 
     #[test]
     fn a_tree_row_equals_its_path_as_a_causal_block() {
+        // A cache of one chunk, a path crossing into the next chunk, and several chunks.
+        for first in [70, CHUNK - 3, 2 * CHUNK + 5] {
+            check_tree(first);
+        }
+    }
+
+    fn check_tree(first: usize) {
         let h = Heads { q: 9, kv: 3, d: 64 };
         let w = h.q * h.d;
         let kvw = h.kv * h.d;
         // Root, two children, a grandchild of the second, and a deeper chain under it.
-        let mask =
-            TreeMask::try_new(vec![None, Some(0), Some(0), Some(2), Some(3), Some(1)]).unwrap();
-        let (first, rows) = (70, mask.rows());
+        let mask = TreeMask::try_new(vec![
+            None,
+            Some(0),
+            Some(0),
+            Some(2),
+            Some(3),
+            Some(1),
+            Some(4),
+            Some(6),
+        ])
+        .unwrap();
+        let rows = mask.rows();
         let k = values((first + rows) * kvw, 4);
         let v = values((first + rows) * kvw, 5);
         let kv = KvStore::from_rows(h.kv, h.d, &k, &v);
@@ -683,7 +985,27 @@ mod tests {
             let mut want = vec![0f32; w];
             let row_q = &q[r * w..(r + 1) * w];
             attend(row_q, w, &alone, last, h, None, &mut want, &Pool::new(1));
-            assert_eq!(out[r * w..(r + 1) * w], want[..], "row {r}");
+            assert_eq!(out[r * w..(r + 1) * w], want[..], "first {first}, row {r}");
         }
+    }
+
+    #[test]
+    fn the_store_keeps_its_positions_when_it_grows_and_copies() {
+        let (heads, d) = (3, 16);
+        let width = heads * d;
+        let k = values(40 * width, 7);
+        let v = values(40 * width, 8);
+        let mut store = KvStore::from_rows(heads, d, &k[..20 * width], &v[..20 * width]);
+        store.reserve(40);
+        assert!(store.capacity() >= 40);
+        for pos in 20..40 {
+            store.write(pos, &k[pos * width..][..width], &v[pos * width..][..width]);
+        }
+        assert_eq!(store.rows(40), (k.clone(), v.clone()));
+        store.copy_position(33, 21);
+        let (k2, v2) = store.rows(40);
+        assert_eq!(k2[21 * width..22 * width], k[33 * width..34 * width]);
+        assert_eq!(v2[21 * width..22 * width], v[33 * width..34 * width]);
+        assert_eq!(k2[20 * width..21 * width], k[20 * width..21 * width]);
     }
 }
