@@ -310,7 +310,7 @@ pub fn attend(
     });
 }
 
-/// Positions per softmax chunk (a multiple of [`VALUE_CHUNK`] and [`BLOCK`]).
+/// Positions per softmax chunk (a multiple of the key block of 8 and the value chunk).
 pub const CHUNK: usize = 128;
 
 /// Most rows per attention task.
