@@ -1,20 +1,22 @@
 //! Greedy autoregressive decoding speed (tokens/s) per backend and weight dtype.
 //!
 //! ```text
-//! cargo bench --bench ar_decode -- [--backends flex,tch] [--dtypes native,f32,f16,bf16] [--max-new-tokens 128] [--json]
+//! cargo bench --bench ar_decode -- [--backends flex,tch] [--dtypes native,f32,f16,bf16] [--max-new-tokens 128] [--prefill-tokens 512] [--json]
 //! ```
 //! Prompts are the first questions of a few Spec-Bench categories, through the chat template.
 //! Each configuration runs every prompt once after one warm-up generation. On the CPU backends
 //! the machine's roofline is measured in the same run (read bandwidth, FMA peak; the best of a
 //! probe before and one after the runs): each decoding step streams every weight once, so its
 //! limit is `weight bytes / bandwidth` (plus the KV cache read), and efficiency = that limit /
-//! the measured decoding time.
+//! the measured decoding time. Prefill speed is measured apart, as llama.cpp's `pp512`: a prompt
+//! of `--prefill-tokens` ids (spread over the vocabulary, no template) through the whole model
+//! and the last row's logits, the best of three.
 
 use std::ops::ControlFlow;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use eesd::core::{Backend, GenerationConfig, Generator};
+use eesd::core::{Backend, GenerationConfig, Generator, LayeredModel};
 use eesd::models::cpu::{Roofline, roofline};
 use eesd::models::{LoadOptions, LoadedModel, WeightDType, fetch};
 
@@ -29,6 +31,9 @@ struct Args {
     /// New tokens per prompt.
     #[arg(long, default_value_t = 128)]
     max_new_tokens: usize,
+    /// Prompt length of the prefill measurement (0: none).
+    #[arg(long, default_value_t = 512)]
+    prefill_tokens: usize,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -93,10 +98,14 @@ fn main() -> Result<()> {
                 }
             }
             let decode_tps = (tokens - PROMPTS.len()) as f64 / decode_seconds;
+            let prefill_tps =
+                prefill_speed(&mut generator, lm.model.vocab_size(), args.prefill_tokens)?;
             let row = serde_json::json!({
                 "backend": backend.name(), "dtype": dtype.name(), "new_tokens": tokens,
                 "tokens_per_second": tokens as f64 / seconds,
                 "decode_tokens_per_second": decode_tps,
+                "prefill_tokens": args.prefill_tokens,
+                "prefill_tokens_per_second": prefill_tps,
                 "weight_bytes": lm.model.weight_bytes(), "file_bytes": file_bytes,
                 "model_resident_bytes": model_rss,
             });
@@ -111,12 +120,15 @@ fn main() -> Result<()> {
     let mut rows = Vec::new();
     for (mut row, steps, decode_seconds, decoded, on_cpu) in results {
         let mut line = format!(
-            "{:>8} {:>6}: {:6.1} tokens/s overall, {:6.1} tokens/s decoding ({} tokens), weights {:.0} MB (file {:.0} MB, resident +{:.0} MB)",
+            "{:>8} {:>6}: {:6.1} tokens/s overall, {:6.1} tokens/s decoding ({} tokens), prefill {:6.1} tokens/s, weights {:.0} MB (file {:.0} MB, resident +{:.0} MB)",
             row["backend"].as_str().unwrap_or_default(),
             row["dtype"].as_str().unwrap_or_default(),
             row["tokens_per_second"].as_f64().unwrap_or_default(),
             row["decode_tokens_per_second"].as_f64().unwrap_or_default(),
             row["new_tokens"],
+            row["prefill_tokens_per_second"]
+                .as_f64()
+                .unwrap_or_default(),
             row["weight_bytes"].as_f64().unwrap_or_default() / 1e6,
             row["file_bytes"].as_f64().unwrap_or_default() / 1e6,
             row["model_resident_bytes"].as_f64().unwrap_or_default() / 1e6,
@@ -144,6 +156,33 @@ fn main() -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Prompt tokens per second of prefilling `tokens` ids spread over the vocabulary (the best of
+/// three; 0 when `tokens` is 0).
+fn prefill_speed<M: LayeredModel>(
+    generator: &mut Generator<'_, M>,
+    vocab: usize,
+    tokens: usize,
+) -> Result<f64> {
+    let ids: Vec<u32> = (0..tokens)
+        .map(|i| ((100 + i * 7919) % vocab.max(1)) as u32)
+        .collect();
+    let config = GenerationConfig {
+        max_new_tokens: 1,
+        ..Default::default()
+    };
+    let mut best = 0f64;
+    for _ in 0..3 {
+        if tokens == 0 {
+            break;
+        }
+        let out = generator
+            .generate(&ids, &config, |_| ControlFlow::Continue(()))
+            .context("prefill")?;
+        best = best.max(tokens as f64 / out.stats.prefill_seconds);
+    }
+    Ok(best)
 }
 
 /// Resident memory of this process (Linux `VmRSS`; 0 elsewhere).

@@ -6,7 +6,7 @@
 #
 # llama.cpp comes from the sources vendored in the `llama-cpp-python` source package on PyPI
 # (the only route to its code from machines that reach package registries alone). Prints one
-# JSON object per line: llama.cpp tg128 (and pp512), eesd AR decoding per dtype (`ar_decode`),
+# JSON object per line: llama.cpp tg128 and pp512, eesd AR decoding and 512-token prefill per dtype (`ar_decode`),
 # and the machine (`lscpu` model name). Environment: EESD_MODEL (default: the cached model),
 # THREADS (default 2), LLAMA_CPP_PYTHON (default 0.3.36), PEER_DIR (default target/peer).
 set -euo pipefail
