@@ -67,6 +67,14 @@ struct Args {
         default_value = "shipped/cost-ts,shipped/calibrated-ts,shipped/beta-ts,shipped/threshold:0.6,shipped/fixed:1,shipped/fixed:2,shipped/fixed:4,norm@12/cost-ts"
     )]
     methods: Vec<String>,
+    /// Before the questions, tree drafters learn from the model's answers to this many
+    /// training prompts (`--warm-prompts`, never benchmark questions), as a drafter state
+    /// saved from earlier use would give them.
+    #[arg(long, default_value_t = 0)]
+    warm: usize,
+    /// Training prompts for `--warm` (jsonl with a `prompt` field).
+    #[arg(long, default_value = "../shared/data/train_prompts.jsonl")]
+    warm_prompts: PathBuf,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -271,6 +279,30 @@ fn main() -> Result<()> {
         .collect();
     let mut ar_gen = Generator::new(&lm.model);
     let eos: Vec<u32> = lm.tokenizer.eos_token_id().into_iter().collect();
+    if args.warm > 0 {
+        let prompts = warm_prompts(&args.warm_prompts, args.warm)?;
+        let warming = ProgressBar::new((prompts.len() * generators.len()) as u64);
+        for text in &prompts {
+            let prompt = lm.chat_prompt(text)?;
+            let config = GenerationConfig {
+                mode: Mode::Tree,
+                max_new_tokens: args.max_new_tokens,
+                stop_tokens: eos.clone(),
+                ..Default::default()
+            };
+            for (m, g) in methods.iter().zip(generators.iter_mut()) {
+                if let (Kind::Tree(spec, _), Runner::Tree(g)) = (&m.kind, g) {
+                    let config = GenerationConfig {
+                        tree_budget: spec.budget,
+                        ..config.clone()
+                    };
+                    g.generate(&prompt, &config, |_| ControlFlow::Continue(()))?;
+                }
+                warming.inc(1);
+            }
+        }
+        warming.finish_and_clear();
+    }
 
     let bar = ProgressBar::new((questions.len() * (methods.len() + 1)) as u64);
     bar.set_style(ProgressStyle::with_template(
@@ -468,4 +500,23 @@ fn write_plots(dir: &Path, names: &[String], totals: &[BTreeMap<String, Totals>]
         plots::grouped_bars(&dir.join(file), title, &labels, desc, &series)?;
     }
     Ok(())
+}
+
+/// The first `n` prompts of a jsonl file of `{"prompt": ...}` objects.
+fn warm_prompts(path: &std::path::Path, n: usize) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading warm-up prompts {}", path.display()))?;
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .take(n)
+        .enumerate()
+        .map(|(i, l)| {
+            let v: serde_json::Value = serde_json::from_str(l)
+                .with_context(|| format!("{} line {}", path.display(), i + 1))?;
+            v["prompt"]
+                .as_str()
+                .map(str::to_owned)
+                .with_context(|| format!("{} line {} has no prompt", path.display(), i + 1))
+        })
+        .collect()
 }
