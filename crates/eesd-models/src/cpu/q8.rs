@@ -22,6 +22,9 @@ pub struct Q8Rows {
     pub(crate) sum: Vec<f32>,
     /// `d · Σ q` per half sub-block, transposed `[k / 32][2][stride]`.
     pub(crate) half: Vec<f32>,
+    /// The exact `Σ q` per sub-block, transposed `[k / 32][stride]` (zero past `rows`): the
+    /// VNNI kernel's correction for Q8_0 weights it reads as unsigned (`w + 128`).
+    pub(crate) int_sum: Vec<i32>,
 }
 
 impl Q8Rows {
@@ -41,6 +44,8 @@ impl Q8Rows {
         self.sum.resize(subs * stride, 0.0);
         self.half.clear();
         self.half.resize(subs * 2 * stride, 0.0);
+        self.int_sum.clear();
+        self.int_sum.resize(subs * stride, 0);
         for r in 0..rows {
             quantize_row(
                 &x[r * k..(r + 1) * k],
@@ -50,11 +55,12 @@ impl Q8Rows {
             for s in 0..subs {
                 let q = &self.q[r * k + s * SUB..][..SUB];
                 let d = self.d[r * subs + s];
-                let sum = |q: &[i8]| q.iter().map(|&v| v as i32).sum::<i32>() as f32;
+                let sum = |q: &[i8]| q.iter().map(|&v| v as i32).sum::<i32>();
                 let (a, c) = (sum(&q[..16]), sum(&q[16..]));
-                self.sum[s * stride + r] = d * (a + c);
-                self.half[(2 * s) * stride + r] = d * a;
-                self.half[(2 * s + 1) * stride + r] = d * c;
+                self.int_sum[s * stride + r] = a + c;
+                self.sum[s * stride + r] = d * (a + c) as f32;
+                self.half[(2 * s) * stride + r] = d * a as f32;
+                self.half[(2 * s + 1) * stride + r] = d * c as f32;
             }
         }
     }
@@ -135,6 +141,10 @@ mod tests {
             assert_eq!(alone.d, block.d[r * 3..(r + 1) * 3]);
             for s in 0..3 {
                 assert_eq!(alone.sum[s * alone.stride], block.sum[s * block.stride + r]);
+                let codes = &alone.q[s * SUB..(s + 1) * SUB];
+                let exact: i32 = codes.iter().map(|&v| v as i32).sum();
+                assert_eq!(alone.int_sum[s * alone.stride], exact);
+                assert_eq!(block.int_sum[s * block.stride + r], exact);
             }
         }
     }

@@ -1,6 +1,6 @@
 //! `y = x · wᵀ` with `w: [out, k]` kept in its GGUF block format ([`QuantMatrix`]) and f32
 //! activation rows `x: [b, k]`, quantized per row to 8 bits ([`Q8Rows`]) for integer dot
-//! products (AVX2 `maddubs`), as llama.cpp runs quantized models.
+//! products (AVX2 `maddubs`, AVX-512 VNNI `vpdpbusd`), as llama.cpp runs quantized models.
 //!
 //! Why: decoding streams every weight once per token; in Q4_1 that is 5 bits per weight
 //! instead of 32, and a block of rows reads each weight block once for all of them.
@@ -255,13 +255,17 @@ impl QuantMatrix {
     fn matmul_q8(&self, isa: Isa, pool: &Pool, acts: &Q8Rows, y: &mut [f32]) {
         let isa = isa.supported();
         let y_ptr = super::pool::Disjoint(y.as_mut_ptr());
-        // Units of 8 output rows inside one part (a panel, or 4 row-major tiles), in shrinking
+        // Units of 8 or 16 output rows inside one part ([`unit_rows`]), in shrinking
         // ranges ([`super::pool::Guided`]): the threads finish together.
-        let units: usize = self.parts.iter().map(|p| p.rows.div_ceil(UNIT)).sum();
+        let units: usize = self
+            .parts
+            .iter()
+            .map(|p| p.rows.div_ceil(unit_rows(isa, p.format)))
+            .sum();
         pool.run_ranges(units, &|range| {
             let mut first = 0;
             for part in &self.parts {
-                let n = part.rows.div_ceil(UNIT);
+                let n = part.rows.div_ceil(unit_rows(isa, part.format));
                 let (a, z) = (range.start.max(first), range.end.min(first + n));
                 if a < z {
                     // SAFETY: tasks write disjoint output columns of `y`, which has
@@ -274,10 +278,17 @@ impl QuantMatrix {
     }
 }
 
-/// Output rows per unit of work.
-const UNIT: usize = qpanel::ROWS;
+/// Output rows per unit of work: one panel, or two where the wide kernel takes them at once.
+fn unit_rows(isa: Isa, format: QuantFormat) -> usize {
+    if qpanel::supports(format) && qpanel::wide(isa) {
+        2 * qpanel::ROWS
+    } else {
+        qpanel::ROWS
+    }
+}
 
-/// Units `units` of `part` (rows `8u..8u + 8` of the part) against every activation row.
+/// Units `units` of `part` (rows `u · unit..(u + 1) · unit` of the part, [`unit_rows`]) against
+/// every activation row.
 ///
 /// # Safety
 /// `y` holds `acts.rows · m.out` floats and no other thread writes these units' columns.
@@ -291,10 +302,16 @@ unsafe fn part_units(
 ) {
     let (k, out) = (m.k, m.out);
     if !qpanel::supports(part.format) {
-        let o0 = part.first + units.start * UNIT;
-        let o1 = part.first + (units.end * UNIT).min(part.rows);
+        let o0 = part.first + units.start * qpanel::ROWS;
+        let o1 = part.first + (units.end * qpanel::ROWS).min(part.rows);
         // SAFETY: as this function's.
         unsafe { part_rows(isa, part, k, acts, o0, o1, out, y) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if qpanel::wide(isa) {
+        // SAFETY: as this function's; the CPU has what the wide kernel needs.
+        unsafe { wide_units(part, m, acts, units, y) };
         return;
     }
     let panel_bytes = k / SUB * qpanel::sub_bytes(part.format);
@@ -302,12 +319,51 @@ unsafe fn part_units(
     let mut tile = [[0f32; qpanel::ROWS]; qpanel::MAX_ACTS];
     for p in units {
         let panel = &part.data[p * panel_bytes..][..panel_bytes];
-        let o = part.first + p * UNIT;
-        let valid = (part.rows - p * UNIT).min(UNIT);
+        let o = part.first + p * qpanel::ROWS;
+        let valid = (part.rows - p * qpanel::ROWS).min(qpanel::ROWS);
         for rows in groups.clone() {
             let (j, count) = (rows.start, rows.len());
             // SAFETY: `isa` is supported, the part is in panels, `count ≤ max_acts`.
             unsafe { qpanel::tile(isa, part.format, panel, acts, j, count, &mut tile) };
+            for (i, values) in tile.iter().enumerate().take(count) {
+                // SAFETY: row `j + i` of `y` has `out` columns from `o` on, `valid` of them
+                // this unit's.
+                let dst =
+                    unsafe { std::slice::from_raw_parts_mut(y.add((j + i) * out + o), valid) };
+                dst.copy_from_slice(&values[..valid]);
+            }
+        }
+    }
+}
+
+/// [`part_units`] for a panel part with the wide kernel: unit `u` is panels `2u` and `2u + 1`
+/// (a part's odd last panel goes alone, the kernel reading it twice).
+///
+/// # Safety
+/// As [`part_units`]; [`qpanel::wide`] holds and `part` is in panels.
+#[cfg(target_arch = "x86_64")]
+unsafe fn wide_units(
+    part: &Part,
+    m: &QuantMatrix,
+    acts: &Q8Rows,
+    units: std::ops::Range<usize>,
+    y: *mut f32,
+) {
+    let (k, out, rows) = (m.k, m.out, qpanel::ROWS);
+    let panel_bytes = k / SUB * qpanel::sub_bytes(part.format);
+    let panels = part.rows.div_ceil(rows);
+    let groups = row_groups(acts.rows, qpanel::WIDE_ACTS);
+    let mut tile = [[0f32; 2 * qpanel::ROWS]; qpanel::WIDE_ACTS];
+    for u in units {
+        let (p, q) = (2 * u, (2 * u + 1).min(panels - 1));
+        let a = &part.data[p * panel_bytes..][..panel_bytes];
+        let b = &part.data[q * panel_bytes..][..panel_bytes];
+        let o = part.first + p * rows;
+        let valid = (part.rows - p * rows).min(if q > p { 2 * rows } else { rows });
+        for group in groups.clone() {
+            let (j, count) = (group.start, group.len());
+            // SAFETY: the part is in panels, `count ≤ WIDE_ACTS`, the caller checked the CPU.
+            unsafe { qpanel::wide_tile(part.format, a, b, acts, j, count, &mut tile) };
             for (i, values) in tile.iter().enumerate().take(count) {
                 // SAFETY: row `j + i` of `y` has `out` columns from `o` on, `valid` of them
                 // this unit's.

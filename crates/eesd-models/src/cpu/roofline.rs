@@ -30,8 +30,8 @@ pub struct Roofline {
     /// Fused multiply-add peak, GFLOP/s (one FMA = 2 flops), best of several runs.
     pub fma_gflop_s: f64,
     /// 8-bit integer multiply-add peak, GOP/s (one multiply-add = 2 ops), with the quantized
-    /// kernels' instruction (AVX2 `vpmaddubsw`: 32 products summed in pairs), best of several
-    /// runs.
+    /// kernels' instruction (AVX2 `vpmaddubsw`: 32 products summed in pairs; with AVX-512
+    /// VNNI `vpdpbusd` on 512 bits: 64 products summed in fours), best of several runs.
     pub int8_gop_s: f64,
 }
 
@@ -172,7 +172,10 @@ fn peak(pool: &Pool, runs: usize, chains: &(dyn Fn(usize) -> usize + Sync)) -> f
 /// and returns the operations done.
 fn int8_chains(isa: Isa, steps: usize) -> usize {
     match isa.supported() {
-        // SAFETY: the CPU supports AVX2 (the quantized kernels use it on AVX-512 machines too).
+        // SAFETY: `wide` checked every feature the probe uses.
+        #[cfg(target_arch = "x86_64")]
+        isa if super::qpanel::wide(isa) => unsafe { x86::dpbusd_chains(steps) },
+        // SAFETY: the CPU supports AVX2 (AVX-512 machines without VNNI run the AVX2 kernels).
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx2 => unsafe { x86::maddubs_chains(steps) },
         _ => scalar_int8_chains(steps),
@@ -310,6 +313,18 @@ mod x86 {
         let m = _mm256_set1_epi8(std::hint::black_box(3));
         let acc: [__m256i; 12] = std::array::from_fn(|i| _mm256_set1_epi8(i as i8));
         run_chains(steps, acc, |a| _mm256_maddubs_epi16(a, m)) * 12 * 64
+    }
+
+    /// 12 chains of 512-bit `vpdpbusd` (64 multiply-adds each), as the wide quantized kernel.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn dpbusd_chains(steps: usize) -> usize {
+        use std::arch::x86_64::*;
+        let (w, x) = (
+            _mm512_set1_epi8(3),
+            _mm512_set1_epi8(std::hint::black_box(5)),
+        );
+        let acc: [__m512i; 12] = std::array::from_fn(|i| _mm512_set1_epi32(i as i32));
+        run_chains(steps, acc, |a| _mm512_dpbusd_epi32(a, w, x)) * 12 * 128
     }
 
     /// 24 chains of 16 lanes.
