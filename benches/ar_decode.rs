@@ -165,6 +165,9 @@ fn prefill_speed<M: LayeredModel>(
     vocab: usize,
     tokens: usize,
 ) -> Result<f64> {
+    if tokens == 0 {
+        return Ok(0.0);
+    }
     let ids: Vec<u32> = (0..tokens)
         .map(|i| ((100 + i * 7919) % vocab.max(1)) as u32)
         .collect();
@@ -174,9 +177,6 @@ fn prefill_speed<M: LayeredModel>(
     };
     let mut best = 0f64;
     for _ in 0..3 {
-        if tokens == 0 {
-            break;
-        }
         let out = generator
             .generate(&ids, &config, |_| ControlFlow::Continue(()))
             .context("prefill")?;

@@ -18,7 +18,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::Parser;
 use eesd::core::{Backend, DraftHead};
 use eesd::models::{HeadKind, LayerHead, Llama, LoadOptions, LoadedModel, VocabSubset, fetch};
@@ -28,6 +28,9 @@ use eesd::train::{
     TrainError, file_sha256, generate_answers, pack, recover_jsonl, save_layer_head, state_path,
 };
 use indicatif::{ProgressBar, ProgressStyle};
+
+#[path = "common/prompts.rs"]
+mod prompts;
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -123,11 +126,6 @@ struct Record {
     sequence: Sequence,
 }
 
-#[derive(serde::Deserialize)]
-struct Prompt {
-    prompt: String,
-}
-
 fn main() -> Result<()> {
     let args = Args::parse();
     let started = Instant::now();
@@ -155,12 +153,8 @@ fn main() -> Result<()> {
     // tagged with its prompt, so a resumed run answers exactly the missing prompts.
     // A run killed mid-line leaves a torn last line: it is cut off and that prompt answered again.
     let mut records: Vec<Record> = recover_jsonl(&data_path)?;
-    let prompts: Vec<Prompt> = std::fs::read_to_string(&args.prompts)
-        .with_context(|| format!("{}", args.prompts.display()))?
-        .lines()
-        .map(serde_json::from_str)
-        .collect::<Result<_, _>>()?;
-    let wanted = args.num_prompts.min(prompts.len());
+    let prompts = prompts::load(&args.prompts, args.num_prompts)?;
+    let wanted = prompts.len();
     let done: std::collections::HashSet<usize> = records.iter().map(|r| r.prompt).collect();
     let missing: Vec<usize> = (0..wanted).filter(|i| !done.contains(i)).collect();
     if !missing.is_empty() {
@@ -181,7 +175,7 @@ fn main() -> Result<()> {
         let todo = missing
             .iter()
             .map(|&i| {
-                let mut ids = lm.chat_prompt(&prompts[i].prompt)?;
+                let mut ids = lm.chat_prompt(&prompts[i])?;
                 ids.truncate(1024);
                 Ok(ids)
             })

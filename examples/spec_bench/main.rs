@@ -21,6 +21,8 @@ mod bench_model;
 mod oracle;
 #[path = "../common/plots.rs"]
 mod plots;
+#[path = "../common/prompts.rs"]
+mod prompts;
 #[path = "../common/questions.rs"]
 mod questions;
 
@@ -280,7 +282,7 @@ fn main() -> Result<()> {
     let mut ar_gen = Generator::new(&lm.model);
     let eos: Vec<u32> = lm.tokenizer.eos_token_id().into_iter().collect();
     if args.warm > 0 {
-        let prompts = warm_prompts(&args.warm_prompts, args.warm)?;
+        let prompts = prompts::load(&args.warm_prompts, args.warm)?;
         let warming = ProgressBar::new((prompts.len() * generators.len()) as u64);
         for text in &prompts {
             let prompt = lm.chat_prompt(text)?;
@@ -500,23 +502,4 @@ fn write_plots(dir: &Path, names: &[String], totals: &[BTreeMap<String, Totals>]
         plots::grouped_bars(&dir.join(file), title, &labels, desc, &series)?;
     }
     Ok(())
-}
-
-/// The first `n` prompts of a jsonl file of `{"prompt": ...}` objects.
-fn warm_prompts(path: &std::path::Path, n: usize) -> Result<Vec<String>> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading warm-up prompts {}", path.display()))?;
-    text.lines()
-        .filter(|l| !l.trim().is_empty())
-        .take(n)
-        .enumerate()
-        .map(|(i, l)| {
-            let v: serde_json::Value = serde_json::from_str(l)
-                .with_context(|| format!("{} line {}", path.display(), i + 1))?;
-            v["prompt"]
-                .as_str()
-                .map(str::to_owned)
-                .with_context(|| format!("{} line {} has no prompt", path.display(), i + 1))
-        })
-        .collect()
 }

@@ -325,13 +325,8 @@ unsafe fn part_units(
             let (j, count) = (rows.start, rows.len());
             // SAFETY: `isa` is supported, the part is in panels, `count ≤ max_acts`.
             unsafe { qpanel::tile(isa, part.format, panel, acts, j, count, &mut tile) };
-            for (i, values) in tile.iter().enumerate().take(count) {
-                // SAFETY: row `j + i` of `y` has `out` columns from `o` on, `valid` of them
-                // this unit's.
-                let dst =
-                    unsafe { std::slice::from_raw_parts_mut(y.add((j + i) * out + o), valid) };
-                dst.copy_from_slice(&values[..valid]);
-            }
+            // SAFETY: as this function's; rows `j..j + count` exist.
+            unsafe { store_tile(&tile[..count], y, out, j, o, valid) };
         }
     }
 }
@@ -364,14 +359,30 @@ unsafe fn wide_units(
             let (j, count) = (group.start, group.len());
             // SAFETY: the part is in panels, `count ≤ WIDE_ACTS`, the caller checked the CPU.
             unsafe { qpanel::wide_tile(part.format, a, b, acts, j, count, &mut tile) };
-            for (i, values) in tile.iter().enumerate().take(count) {
-                // SAFETY: row `j + i` of `y` has `out` columns from `o` on, `valid` of them
-                // this unit's.
-                let dst =
-                    unsafe { std::slice::from_raw_parts_mut(y.add((j + i) * out + o), valid) };
-                dst.copy_from_slice(&values[..valid]);
-            }
+            // SAFETY: as this function's; rows `j..j + count` exist.
+            unsafe { store_tile(&tile[..count], y, out, j, o, valid) };
         }
+    }
+}
+
+/// The first `valid` values of each row of `tile` into rows `j..` of `y` (`out` columns), from
+/// column `o` on.
+///
+/// # Safety
+/// `y` holds rows `j..j + tile.len()` of `out` floats, `o + valid ≤ out`, and no other thread
+/// writes those columns.
+unsafe fn store_tile<const N: usize>(
+    tile: &[[f32; N]],
+    y: *mut f32,
+    out: usize,
+    j: usize,
+    o: usize,
+    valid: usize,
+) {
+    for (i, values) in tile.iter().enumerate() {
+        // SAFETY: row `j + i` of `y` has `out` columns from `o` on, `valid` of them ours.
+        let dst = unsafe { std::slice::from_raw_parts_mut(y.add((j + i) * out + o), valid) };
+        dst.copy_from_slice(&values[..valid]);
     }
 }
 

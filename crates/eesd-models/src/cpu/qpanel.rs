@@ -486,6 +486,7 @@ mod x86 {
             let mut acc = [_mm512_setzero_ps(); M];
             let xq = acts.q.as_ptr().add(j * k);
             let dx = acts.d.as_ptr().add(j * subs);
+            let h = header(format);
             for n in 0..subs {
                 let (sa, sb_) = (a.as_ptr().add(n * sb), b.as_ptr().add(n * sb));
                 for line in 0..sb.div_ceil(64) {
@@ -493,7 +494,6 @@ mod x86 {
                     _mm_prefetch::<_MM_HINT_T0>(sa.wrapping_add(PREFETCH + 64 * line).cast());
                     _mm_prefetch::<_MM_HINT_T0>(sb_.wrapping_add(PREFETCH + 64 * line).cast());
                 }
-                let h = header(format);
                 let x0 = n * SUB;
                 let mut dots = [_mm512_setzero_si512(); M];
                 if format == QuantFormat::Q8_0 {
