@@ -1,15 +1,17 @@
 //! Causal grouped-query attention of a block of new rows against keys and values on the host.
 //!
 //! Row `r` of a block whose first row sits at position `first` attends to positions
-//! `0..=first + r`. Each kv head's keys are stored transposed in blocks of 8 positions
-//! (`[kv_head][position / 8][d][position % 8]`), so the scores of 8 positions come from one
-//! register: a fused multiply-add chain over the head dimension per lane, the query value
-//! broadcast, as in the matrix kernel. Values are stored `[kv_head][position][d]` and summed the
+//! `0..=first + r`. Each kv head's keys are stored transposed in blocks of `B` positions
+//! (`[kv_head][position / B][d][position % B]`, `B` the f32 lanes of the kernel's register: 16
+//! with AVX-512, else 8), so the scores of `B` positions come from one register: a fused
+//! multiply-add chain over the head dimension per lane, the query value broadcast, as in the
+//! matrix kernel. Values are stored `[kv_head][position][d]` and summed the
 //! same way over positions. A row's positions are cut into fixed chunks of [`CHUNK`], each with
 //! its own softmax, folded in order (as in flash-decoding): a long cache then splits into tasks
 //! for every thread even for a single row. Every score, partial and output element is one chain
 //! in a fixed order that depends only on the row's own positions, so a block gives the same bits
-//! as its rows one at a time (and the portable path the same bits as AVX2).
+//! as its rows one at a time, and the register width (8 or 16 lanes, portable or SIMD) changes
+//! only how many chains run side by side: every path gives the same bits.
 
 use std::cell::RefCell;
 
@@ -19,8 +21,11 @@ use super::pool::{Disjoint, Pool};
 use super::rows::{exp, max, sum};
 use eesd_core::TreeMask;
 
-/// Positions per key block (the f32 lanes of one AVX2 register).
-const BLOCK: usize = 8;
+/// Positions per key block where AVX-512 is absent (the f32 lanes of one AVX2 register).
+const NARROW: usize = 8;
+
+/// Positions per key block with AVX-512 (the f32 lanes of one 512-bit register).
+const WIDE: usize = 16;
 
 /// Head counts and width of an attention layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,7 +46,7 @@ impl Heads {
             && self.q.is_multiple_of(self.kv)
             && self.q / self.kv <= 8
             && self.d > 0
-            && self.d.is_multiple_of(BLOCK)
+            && self.d.is_multiple_of(NARROW)
     }
 }
 
@@ -57,14 +62,29 @@ pub struct KvStore {
     kv_heads: usize,
     d: usize,
     capacity: usize,
+    /// Positions per key block: the lanes of the register that reads them.
+    block: usize,
 }
 
 impl KvStore {
-    /// An empty store for `kv_heads` heads of width `d`.
+    /// An empty store for `kv_heads` heads of width `d`, in the key layout of this CPU's
+    /// widest kernel (blocks of 16 positions with AVX-512 where `d` is a multiple of 16, else 8).
     pub fn new(kv_heads: usize, d: usize) -> Self {
+        let wide = Isa::detect().supported() == Isa::Avx512 && d.is_multiple_of(WIDE);
+        Self::with_block(kv_heads, d, if wide { WIDE } else { NARROW })
+    }
+
+    /// An empty store with keys in blocks of `block` positions (8 or 16; others give 8).
+    fn with_block(kv_heads: usize, d: usize, block: usize) -> Self {
+        let block = if block == WIDE && d.is_multiple_of(WIDE) {
+            WIDE
+        } else {
+            NARROW
+        };
         KvStore {
             kv_heads,
             d,
+            block,
             ..KvStore::default()
         }
     }
@@ -81,7 +101,7 @@ impl KvStore {
 
     /// Makes room for at least `positions` (keeping what is stored).
     pub fn reserve(&mut self, positions: usize) {
-        let positions = positions.div_ceil(BLOCK) * BLOCK;
+        let positions = positions.div_ceil(self.block) * self.block;
         if positions <= self.capacity {
             return;
         }
@@ -98,7 +118,8 @@ impl KvStore {
 
     /// Index of key element `c` of head `h` at `pos` in `k`.
     fn key_at(&self, h: usize, pos: usize, c: usize) -> usize {
-        (h * self.capacity + pos / BLOCK * BLOCK) * self.d + c * BLOCK + pos % BLOCK
+        let b = self.block;
+        (h * self.capacity + pos / b * b) * self.d + c * b + pos % b
     }
 
     /// Index of value row `pos` of head `h` in `v`.
@@ -150,8 +171,12 @@ impl KvStore {
 
     /// A store holding `[position][kv_head][d]` rows of keys and values.
     pub fn from_rows(kv_heads: usize, d: usize, keys: &[f32], values: &[f32]) -> Self {
-        let width = kv_heads * d;
-        let mut store = KvStore::new(kv_heads, d);
+        Self::from_rows_in(KvStore::new(kv_heads, d), keys, values)
+    }
+
+    /// `store` (empty) filled with `[position][kv_head][d]` rows of keys and values.
+    fn from_rows_in(mut store: KvStore, keys: &[f32], values: &[f32]) -> Self {
+        let width = store.kv_heads * store.d;
         let len = values.len() / width.max(1);
         store.reserve(len);
         for pos in 0..len {
@@ -421,9 +446,19 @@ fn tile_for(isa: Isa, job: &Tile<'_>, work: Work) {
         };
         let (d, g, n) = (job.kv.d, job.group, job.rows);
         scratch.resize(n * g * (CHUNK + d + 2 + own), 0.0);
-        match isa.supported() {
+        // The register is as wide as the store's key blocks.
+        match (isa.supported(), job.kv.block) {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 | Isa::Avx512 => {
+            (Isa::Avx512, WIDE) => {
+                #[target_feature(enable = "avx512f,avx2,fma")]
+                unsafe fn avx512(job: &Tile<'_>, scratch: &mut [f32], work: Work) {
+                    unsafe { group_tiled::<std::arch::x86_64::__m512>(job, scratch, work) }
+                }
+                // SAFETY: the CPU has AVX-512F, AVX2 and FMA; `work` as promised by `attend`.
+                unsafe { avx512(job, scratch, work) }
+            }
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx2 | Isa::Avx512, NARROW) => {
                 #[target_feature(enable = "avx2,fma")]
                 unsafe fn avx2(job: &Tile<'_>, scratch: &mut [f32], work: Work) {
                     unsafe { group_tiled::<std::arch::x86_64::__m256>(job, scratch, work) }
@@ -432,7 +467,9 @@ fn tile_for(isa: Isa, job: &Tile<'_>, work: Work) {
                 unsafe { avx2(job, scratch, work) }
             }
             // SAFETY: portable lanes need no special instructions; `work` as promised.
-            _ => unsafe { group_tiled::<Soft<8>>(job, scratch, work) },
+            (_, WIDE) => unsafe { group_tiled::<Soft<WIDE>>(job, scratch, work) },
+            // SAFETY: as above.
+            _ => unsafe { group_tiled::<Soft<NARROW>>(job, scratch, work) },
         }
     });
 }
@@ -493,19 +530,33 @@ fn finish(l: f32, out: &mut [f32]) {
 /// Scores of a tree row `i`'s own block positions: from the key block holding `first` to its own
 /// row (whole blocks).
 fn own_span(job: &Tile<'_>, i: usize) -> usize {
-    (job.first + job.r0 + i + 1).div_ceil(BLOCK) * BLOCK - job.first / BLOCK * BLOCK
+    let b = job.kv.block;
+    (job.first + job.r0 + i + 1).div_ceil(b) * b - job.first / b * b
 }
 
 /// Picks register tiles for the group size: `G` query heads, `T` key blocks per score tile and
-/// `C` value columns (of 8) per output tile, so that accumulators, broadcast queries and one
-/// loaded vector fit the 16 registers of AVX2. The tiles change only which independent chains
-/// run side by side, never the order within a chain.
+/// `C` value columns (of `V::WIDTH`) per output tile, so that accumulators, broadcast queries
+/// and one loaded vector fit the registers (16 of 8 lanes with AVX2, 32 of 16 with AVX-512).
+/// The tiles change only which independent chains run side by side, never the order within a
+/// chain.
 ///
 /// # Safety
 /// As [`run`].
 #[inline(always)]
 unsafe fn group_tiled<V: Lanes>(job: &Tile<'_>, scratch: &mut [f32], work: Work) {
     unsafe {
+        if V::WIDTH == WIDE {
+            return match job.group {
+                1 => run::<V, 1, 8, 4>(job, scratch, work),
+                2 => run::<V, 2, 8, 4>(job, scratch, work),
+                3 => run::<V, 3, 8, 4>(job, scratch, work),
+                4 => run::<V, 4, 6, 4>(job, scratch, work),
+                5 => run::<V, 5, 4, 4>(job, scratch, work),
+                6 => run::<V, 6, 4, 4>(job, scratch, work),
+                7 => run::<V, 7, 3, 2>(job, scratch, work),
+                _ => run::<V, 8, 2, 2>(job, scratch, work),
+            };
+        }
         match job.group {
             1 => run::<V, 1, 8, 8>(job, scratch, work),
             2 => run::<V, 2, 4, 4>(job, scratch, work),
@@ -594,7 +645,9 @@ unsafe fn chunk<V: Lanes, const G: usize, const T: usize, const C: usize>(
     own: &mut [f32],
     parts: Parts,
 ) {
-    debug_assert_eq!(V::WIDTH, BLOCK);
+    const { assert!(V::WIDTH == NARROW || V::WIDTH == WIDE) };
+    debug_assert_eq!(V::WIDTH, job.kv.block);
+    let lanes = V::WIDTH;
     let d = job.kv.d;
     let scale = 1.0 / (d as f32).sqrt();
     let lo = c * CHUNK;
@@ -605,18 +658,18 @@ unsafe fn chunk<V: Lanes, const G: usize, const T: usize, const C: usize>(
     let stored = |i: usize| job.contiguous(i).clamp(lo, hi(i));
     unsafe {
         let keys = job.kv.k.as_ptr().add(job.kv.key_at(job.head, 0, 0));
-        let block_stride = d * BLOCK;
+        let block_stride = d * lanes;
         let sp = scores.as_mut_ptr();
         let row_q = |i: usize| job.q.as_ptr().add(i * job.q_stride);
         let row_s = |i: usize| sp.add(i * G * CHUNK);
         // Scores, 8 positions per register: s[p] = Σ_c q[c] · k[p][c], one chain per lane; a
         // tile of T key blocks serves every row of the tile while it is in L1.
         let end = (0..n).map(stored).max().unwrap_or(lo);
-        let mut block = lo / BLOCK;
-        while block * BLOCK < end {
+        let mut block = lo / lanes;
+        while block * lanes < end {
             for i in 0..n {
-                let blocks = stored(i).div_ceil(BLOCK);
-                let at = |b: usize| row_s(i).add((b - lo / BLOCK) * BLOCK);
+                let blocks = stored(i).div_ceil(lanes);
+                let at = |b: usize| row_s(i).add((b - lo / lanes) * lanes);
                 let key = |b: usize| keys.add(b * block_stride);
                 if block + T <= blocks {
                     score_tile::<V, G, T>(row_q(i), d, key(block), block_stride, at(block), CHUNK);
@@ -630,13 +683,13 @@ unsafe fn chunk<V: Lanes, const G: usize, const T: usize, const C: usize>(
         }
         // A tree row's tail: its own block positions' scores, then the ancestors' in order.
         if job.tree.is_some() {
-            let base = job.first / BLOCK;
+            let base = job.first / lanes;
             let span = own_span(job, n - 1);
             for i in (0..n).filter(|&i| hi(i) > stored(i)) {
                 let o = own.as_mut_ptr().add(i * G * span);
-                let blocks = (job.first + job.r0 + i + 1).div_ceil(BLOCK);
+                let blocks = (job.first + job.r0 + i + 1).div_ceil(lanes);
                 for b in base..blocks {
-                    let at = o.add((b - base) * BLOCK);
+                    let at = o.add((b - base) * lanes);
                     score_tile::<V, G, 1>(
                         row_q(i),
                         d,
@@ -649,7 +702,7 @@ unsafe fn chunk<V: Lanes, const G: usize, const T: usize, const C: usize>(
                 for h in 0..G {
                     for p in stored(i)..hi(i) {
                         let row = job.store_row(i, p);
-                        *row_s(i).add(h * CHUNK + p - lo) = *o.add(h * span + row - base * BLOCK);
+                        *row_s(i).add(h * CHUNK + p - lo) = *o.add(h * span + row - base * lanes);
                     }
                 }
             }
@@ -681,7 +734,7 @@ unsafe fn chunk<V: Lanes, const G: usize, const T: usize, const C: usize>(
             width,
             head: parts.head,
         };
-        let cols = d / BLOCK;
+        let cols = d / lanes;
         // A single row gains nothing from value chunks: one pass over its positions.
         let step = if n == 1 { CHUNK } else { VALUE_CHUNK };
         let mut col = 0;
@@ -739,7 +792,7 @@ unsafe fn score_tile<V: Lanes, const G: usize, const T: usize>(
                 *q_h = V::splat(q.add(h * d + c));
             }
             for (t, acc) in acc.iter_mut().enumerate() {
-                let k = V::load(keys.add(t * block_stride + c * BLOCK));
+                let k = V::load(keys.add(t * block_stride + c * V::WIDTH));
                 for (a, q_h) in acc.iter_mut().zip(&qs) {
                     *a = V::mul_add(*q_h, k, *a);
                 }
@@ -747,7 +800,7 @@ unsafe fn score_tile<V: Lanes, const G: usize, const T: usize>(
         }
         for (t, acc) in acc.iter().enumerate() {
             for (h, a) in acc.iter().enumerate() {
-                a.store(scores.add(h * padded + t * BLOCK));
+                a.store(scores.add(h * padded + t * V::WIDTH));
             }
         }
     }
@@ -786,18 +839,18 @@ unsafe fn value_tile<
         if more {
             for (h, acc) in acc.iter_mut().enumerate() {
                 for (j, a) in acc.iter_mut().enumerate() {
-                    *a = V::load(out.add(h * s.head + (col + j) * BLOCK));
+                    *a = V::load(out.add(h * s.head + (col + j) * V::WIDTH));
                 }
             }
         }
         for (p, row) in rows {
-            let v_row = s.values.add(row * s.width + col * BLOCK);
+            let v_row = s.values.add(row * s.width + col * V::WIDTH);
             let mut weights = [V::zero(); G];
             for (h, w) in weights.iter_mut().enumerate() {
                 *w = V::splat(s.probs.add(h * CHUNK + p));
             }
             for j in 0..C {
-                let v = V::load(v_row.add(j * BLOCK));
+                let v = V::load(v_row.add(j * V::WIDTH));
                 for (acc, w) in acc.iter_mut().zip(&weights) {
                     acc[j] = V::mul_add(*w, v, acc[j]);
                 }
@@ -805,7 +858,7 @@ unsafe fn value_tile<
         }
         for (h, acc) in acc.iter().enumerate() {
             for (j, a) in acc.iter().enumerate() {
-                a.store(out.add(h * s.head + (col + j) * BLOCK));
+                a.store(out.add(h * s.head + (col + j) * V::WIDTH));
             }
         }
     }
@@ -814,6 +867,7 @@ unsafe fn value_tile<
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::test_inputs::same_bits;
 
     fn values(n: usize, seed: u32) -> Vec<f32> {
         (0..n)
@@ -891,7 +945,8 @@ mod tests {
 
     #[test]
     fn matches_reference_rows_are_batch_invariant_and_simd_equals_portable() {
-        // Every group size has its own register tiles; d = 24 leaves partial column tiles.
+        // Every group size has its own register tiles (in both widths: d a multiple of 16
+        // also runs 16-lane blocks); d = 24 leaves partial column tiles.
         for (q, kv, d) in [
             (6, 2, 24),
             (3, 3, 64),
@@ -899,6 +954,11 @@ mod tests {
             (8, 2, 8),
             (10, 2, 24),
             (8, 1, 32),
+            (4, 4, 32),
+            (8, 2, 16),
+            (10, 2, 16),
+            (12, 2, 16),
+            (7, 1, 16),
         ] {
             check(Heads { q, kv, d });
         }
@@ -918,37 +978,50 @@ mod tests {
         let n = first + rows;
         let k = values(n * h.kv * h.d, 1);
         let v = values(n * h.kv * h.d, 2);
-        let kv = KvStore::from_rows(h.kv, h.d, &k, &v);
-        assert_eq!(kv.rows(n), (k.clone(), v.clone()));
         let q = values(rows * h.q * h.d, 3);
-        let block = run(false, &q, &kv, first, h, &pool);
-        for (got, want) in block.iter().zip(reference(&q, &k, &v, first, h)) {
-            assert!((*got as f64 - want).abs() < 1e-5, "{got} vs {want}");
-        }
-        assert_eq!(run(true, &q, &kv, first, h, &pool), block);
-        let w = h.q * h.d;
-        for r in 0..rows {
-            let alone = run(
-                false,
-                &q[r * w..(r + 1) * w],
-                &kv,
-                first + r,
-                h,
-                &Pool::new(1),
-            );
-            assert_eq!(alone, block[r * w..(r + 1) * w]);
+        let want = reference(&q, &k, &v, first, h);
+        let mut first_layout: Option<Vec<f32>> = None;
+        // Both key layouts (8 and, where d allows, 16 positions per block), each read by the
+        // portable lanes and by SIMD where the CPU has the matching width: the same bits.
+        for layout in [NARROW, WIDE] {
+            let kv = KvStore::from_rows_in(KvStore::with_block(h.kv, h.d, layout), &k, &v);
+            assert_eq!(kv.rows(n), (k.clone(), v.clone()));
+            let block = run(false, &q, &kv, first, h, &pool);
+            for (got, want) in block.iter().zip(&want) {
+                assert!((*got as f64 - want).abs() < 1e-5, "{got} vs {want}");
+            }
+            assert_eq!(run(true, &q, &kv, first, h, &pool), block);
+            let w = h.q * h.d;
+            for r in 0..rows {
+                let alone = run(
+                    false,
+                    &q[r * w..(r + 1) * w],
+                    &kv,
+                    first + r,
+                    h,
+                    &Pool::new(1),
+                );
+                assert_eq!(alone, block[r * w..(r + 1) * w]);
+            }
+            match &first_layout {
+                None => first_layout = Some(block),
+                Some(narrow) => assert!(same_bits(narrow, &block), "layout {layout}"),
+            }
         }
     }
 
     #[test]
     fn a_tree_row_equals_its_path_as_a_causal_block() {
-        // A cache of one chunk, a path crossing into the next chunk, and several chunks.
-        for first in [70, CHUNK - 3, 2 * CHUNK + 5] {
-            check_tree(first);
+        // A cache of one chunk, a path crossing into the next chunk, and several chunks; both
+        // key layouts.
+        for layout in [NARROW, WIDE] {
+            for first in [70, CHUNK - 3, 2 * CHUNK + 5] {
+                check_tree(first, layout);
+            }
         }
     }
 
-    fn check_tree(first: usize) {
+    fn check_tree(first: usize, layout: usize) {
         let h = Heads { q: 9, kv: 3, d: 64 };
         let w = h.q * h.d;
         let kvw = h.kv * h.d;
@@ -967,7 +1040,8 @@ mod tests {
         let rows = mask.rows();
         let k = values((first + rows) * kvw, 4);
         let v = values((first + rows) * kvw, 5);
-        let kv = KvStore::from_rows(h.kv, h.d, &k, &v);
+        let store = || KvStore::with_block(h.kv, h.d, layout);
+        let kv = KvStore::from_rows_in(store(), &k, &v);
         let q = values(rows * w, 6);
         let mut out = vec![0f32; rows * w];
         attend(&q, w, &kv, first, h, Some(&mask), &mut out, &Pool::new(2));
@@ -980,22 +1054,33 @@ mod tests {
                     .flat_map(|&p| x[p * kvw..(p + 1) * kvw].to_vec())
                     .collect()
             };
-            let alone = KvStore::from_rows(h.kv, h.d, &gather(&k), &gather(&v));
+            let alone = KvStore::from_rows_in(store(), &gather(&k), &gather(&v));
             let last = slots.len() - 1;
             let mut want = vec![0f32; w];
             let row_q = &q[r * w..(r + 1) * w];
             attend(row_q, w, &alone, last, h, None, &mut want, &Pool::new(1));
-            assert_eq!(out[r * w..(r + 1) * w], want[..], "first {first}, row {r}");
+            assert_eq!(
+                out[r * w..(r + 1) * w],
+                want[..],
+                "first {first}, row {r}, layout {layout}"
+            );
         }
     }
 
     #[test]
     fn the_store_keeps_its_positions_when_it_grows_and_copies() {
+        for layout in [NARROW, WIDE] {
+            check_store(layout);
+        }
+    }
+
+    fn check_store(layout: usize) {
         let (heads, d) = (3, 16);
         let width = heads * d;
         let k = values(40 * width, 7);
         let v = values(40 * width, 8);
-        let mut store = KvStore::from_rows(heads, d, &k[..20 * width], &v[..20 * width]);
+        let empty = KvStore::with_block(heads, d, layout);
+        let mut store = KvStore::from_rows_in(empty, &k[..20 * width], &v[..20 * width]);
         store.reserve(40);
         assert!(store.capacity() >= 40);
         for pos in 20..40 {
