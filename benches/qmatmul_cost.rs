@@ -1,0 +1,164 @@
+//! The quantized product alone (`QuantMatrix`, native weights): one forward's worth of
+//! SmolLM2-135M's layer matrices against blocks of activation rows, against the machine's
+//! roofline measured in the same run.
+//!
+//! ```text
+//! cargo bench --bench qmatmul_cost -- [--rows 1,2,4,8,16,32] [--format q4_1] [--resident] [--threads N] [--json]
+//! ```
+//! Per layer: the fused q/k/v projection (960 × 576), the output projection (576 × 576), the
+//! fused gate/up projection (3072 × 576) and the down projection (576 × 1536), in `--format`
+//! with deterministic codes and scales. By default every layer has matrices of its own, so the
+//! weights stream from memory as in a forward pass; with `--resident` one layer's matrices serve
+//! every layer, so they come from the caches and the time is the kernel's arithmetic. A block of
+//! `r` rows does `r` multiply-adds per weight (2 int8 operations each). Time is the best of
+//! `--reps` passes, the row counts taken round in turn. With `--threads` below the machine's
+//! cores, the roofline's arithmetic peak is that share of the measured one.
+
+use anyhow::{Result, bail};
+use clap::Parser;
+use eesd::models::cpu::{Isa, Pool, QuantFormat, QuantMatrix, Roofline, roofline};
+use std::time::Instant;
+
+/// `(output rows, inner dimension)` of one layer's products.
+const SHAPES: [(usize, usize); 4] = [(960, 576), (576, 576), (3072, 576), (576, 1536)];
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Activation rows per product.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
+    rows: Vec<usize>,
+    /// Weight format: q4_0, q4_1 or q8_0.
+    #[arg(long, default_value = "q4_1")]
+    format: String,
+    /// Layers per pass.
+    #[arg(long, default_value_t = 30)]
+    layers: usize,
+    /// One layer's matrices for every layer (weights from the caches).
+    #[arg(long)]
+    resident: bool,
+    /// Threads (default: the kernels' pool, one per core).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Timed passes per row count (the best counts).
+    #[arg(long, default_value_t = 20)]
+    reps: usize,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+    /// cargo bench passes --bench; accept and ignore it.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+/// `blocks` GGUF blocks of `format` with pseudo-random codes and small positive scales.
+fn blocks(format: QuantFormat, blocks: usize, seed: u32) -> Vec<u8> {
+    let bytes = format.block_bytes();
+    let mut data = vec![0u8; blocks * bytes];
+    let mut h = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+    for block in data.chunks_exact_mut(bytes) {
+        for b in block.iter_mut() {
+            h = h.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            *b = (h >> 24) as u8;
+        }
+        // f16 scale 2⁻⁷ (and for Q4_1 an offset of −2⁻⁷) in front of the codes.
+        block[..2].copy_from_slice(&0x2000u16.to_le_bytes());
+        if format == QuantFormat::Q4_1 {
+            block[2..4].copy_from_slice(&0xa000u16.to_le_bytes());
+        }
+    }
+    data
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let format = match args.format.to_ascii_lowercase().as_str() {
+        "q4_0" => QuantFormat::Q4_0,
+        "q4_1" => QuantFormat::Q4_1,
+        "q8_0" => QuantFormat::Q8_0,
+        other => bail!("unknown format `{other}` (expected q4_0, q4_1 or q8_0)"),
+    };
+    let own_pool = args.threads.map(|t| Pool::new(t.max(1)));
+    let pool = own_pool.as_ref().unwrap_or(Pool::global());
+    let isa = Isa::detect();
+    let before = Roofline::measure();
+    let distinct = if args.resident { 1 } else { args.layers };
+    let mut matrices = Vec::new();
+    for layer in 0..distinct {
+        for (i, &(out, k)) in SHAPES.iter().enumerate() {
+            let data = blocks(format, out * k / 32, (layer * SHAPES.len() + i) as u32);
+            matrices.push(QuantMatrix::new(format, data, out, k)?);
+        }
+    }
+    let repeats = args.layers / distinct;
+    let widest = SHAPES.iter().map(|s| s.0.max(s.1)).max().unwrap_or(0);
+    let macs_per_row = (SHAPES.iter().map(|&(o, k)| o * k).sum::<usize>() * args.layers) as f64;
+    let bytes = (matrices.iter().map(QuantMatrix::bytes).sum::<usize>() * repeats) as f64;
+    let mut best = vec![f64::MAX; args.rows.len()];
+    for _ in 0..args.reps.max(1) {
+        for (&rows, best) in args.rows.iter().zip(&mut best) {
+            let x: Vec<f32> = (0..rows * widest)
+                .map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0)
+                .collect();
+            let mut y = vec![0f32; rows * widest];
+            let start = Instant::now();
+            for _ in 0..repeats {
+                for m in &matrices {
+                    let (out, k) = (m.out(), m.k());
+                    m.matmul_with(isa, pool, &x[..rows * k], &mut y[..rows * out])?;
+                }
+            }
+            *best = best.min(start.elapsed().as_secs_f64());
+        }
+    }
+    let mut machine = before.best_with(&Roofline::measure());
+    // Fewer threads than the probes used have that share of the arithmetic peak.
+    if pool.threads() < machine.threads {
+        machine.int8_gop_s *= pool.threads() as f64 / machine.threads as f64;
+        machine.fma_gflop_s *= pool.threads() as f64 / machine.threads as f64;
+        machine.threads = pool.threads();
+    }
+    if !args.json {
+        println!("{machine}");
+        println!(
+            "{format}, {} layers ({}), {} threads",
+            args.layers,
+            if args.resident {
+                "resident"
+            } else {
+                "streamed"
+            },
+            pool.threads()
+        );
+    }
+    let mut results = Vec::new();
+    for (&rows, &seconds) in args.rows.iter().zip(&best) {
+        let macs = macs_per_row * rows as f64;
+        // Resident weights come from the caches: only the arithmetic bounds them.
+        let streamed = if args.resident { 0.0 } else { bytes };
+        let limit = machine.seconds(streamed, 0.0, 2.0 * macs);
+        let (gmacs, efficiency) = (macs / seconds / 1e9, limit / seconds);
+        if !args.json {
+            println!(
+                "rows {rows:2}: {:7.3} ms ({gmacs:6.1} G multiply-adds/s, {:5.1} GB/s), roofline {:6.3} ms, efficiency {efficiency:.2}",
+                seconds * 1e3,
+                bytes / seconds / 1e9,
+                limit * 1e3,
+            );
+        }
+        results.push(serde_json::json!({
+            "rows": rows, "ms": seconds * 1e3, "gmac_s": gmacs, "bytes": bytes,
+            "roofline_ms": limit * 1e3, "efficiency": efficiency,
+        }));
+    }
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "cpu": roofline::cpu_name(), "machine": machine, "format": format.to_string(),
+                "layers": args.layers, "resident": args.resident, "threads": pool.threads(),
+                "isa": isa.name(), "results": results,
+            })
+        );
+    }
+    Ok(())
+}
