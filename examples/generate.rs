@@ -10,16 +10,16 @@
 
 use std::io::Write;
 use std::ops::ControlFlow;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use clap::Parser;
 use eesd::bandit::Policy;
 use eesd::core::Drafter;
-use eesd::core::drafters::{DrafterSpec, HeadDrafter};
+use eesd::core::drafters::{DrafterSpec, DrafterState, HeadDrafter};
 use eesd::core::{Backend, GenerationConfig, GenerationOutput, Generator, Mode, SamplingParams};
 use eesd::models::{AnyHead, LoadOptions, LoadedModel, NormHead, TextStream, WeightDType, fetch};
-use eesd::models::{file_sha256, load_layer_head, load_lookahead_head};
+use eesd::models::{file_sha256, load_layer_head, load_lookahead_head, write_atomically};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -50,6 +50,11 @@ struct Args {
     /// root's children join the drafter's trees.
     #[arg(long)]
     tree_head: Option<PathBuf>,
+    /// A file keeping what the tree drafter learns between runs (Token Recycling's matrix,
+    /// the adaptive tree's rates), tied to the model file: read before generating when it
+    /// exists, written after.
+    #[arg(long)]
+    drafter_state: Option<PathBuf>,
     /// Exit layer N for EESD (default: the trained head's layer, or 8 with `--head norm`).
     #[arg(long)]
     exit_layer: Option<usize>,
@@ -106,6 +111,35 @@ fn summary(out: &GenerationOutput, text: &str, device: Backend) -> serde_json::V
     })
 }
 
+/// A `--drafter-state` file: the drafter's state and what it was learnt with.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct SavedDrafterState {
+    /// SHA-256 of the model file whose verifications taught it.
+    model_sha256: String,
+    /// The drafter spec that saved it.
+    drafter: String,
+    state: DrafterState,
+}
+
+/// The state saved at `path` (`None` when there is no file yet), refused when another model
+/// taught it.
+fn read_drafter_state(path: &Path, sha: &str) -> Result<Option<DrafterState>> {
+    let bytes = match std::fs::read(path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    let saved: SavedDrafterState = serde_json::from_slice(&bytes)
+        .with_context(|| format!("{} is not a drafter state file", path.display()))?;
+    anyhow::ensure!(
+        saved.model_sha256 == sha,
+        "{} was learnt with another model (SHA-256 {}); give another file or remove it",
+        path.display(),
+        saved.model_sha256
+    );
+    Ok(Some(saved.state))
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let device = args.device.device()?;
@@ -123,7 +157,7 @@ fn main() -> Result<()> {
     // Plain AR and tree speculation need no exit head: load one only for EESD.
     let needs_head = modes.contains(&Mode::Eesd) && args.head != "norm";
     // Trained heads are tied to the model file: hash it once for whichever heads are loaded.
-    let sha = match needs_head || args.tree_head.is_some() {
+    let sha = match needs_head || args.tree_head.is_some() || args.drafter_state.is_some() {
         true => file_sha256(&path)?,
         false => String::new(),
     };
@@ -166,10 +200,17 @@ fn main() -> Result<()> {
         ),
         None => None,
     };
-    let drafter: Box<dyn Drafter + '_> = match &tree_head {
+    let mut drafter: Box<dyn Drafter + '_> = match &tree_head {
         Some(head) => Box::new(HeadDrafter::new(&lm.model, head, args.drafter.build(vocab))),
         None => args.drafter.build(vocab),
     };
+    if let Some(path) = &args.drafter_state
+        && let Some(state) = read_drafter_state(path, &sha)?
+    {
+        drafter.restore(state).with_context(|| {
+            format!("restoring drafter {} from {}", args.drafter, path.display())
+        })?;
+    }
     let mut plain = Generator::new(&lm.model).with_drafter(drafter);
     let mut results = Vec::new();
     for mode in modes {
@@ -257,6 +298,17 @@ fn main() -> Result<()> {
             }
         }
         [] => {}
+    }
+    if let Some(path) = &args.drafter_state
+        && let Some(state) = plain.drafter().and_then(|d| d.state())
+    {
+        let saved = SavedDrafterState {
+            model_sha256: sha,
+            drafter: args.drafter.to_string(),
+            state,
+        };
+        write_atomically(path, &serde_json::to_vec(&saved)?)
+            .with_context(|| format!("writing drafter state {}", path.display()))?;
     }
     Ok(())
 }

@@ -9,7 +9,8 @@
 
 use burn::tensor::Tensor;
 
-use crate::error::Result;
+use crate::drafters::DrafterState;
+use crate::error::{CoreError, Result};
 use crate::tree::DraftTree;
 
 /// Proposes draft trees and learns from verification.
@@ -86,6 +87,24 @@ pub trait Drafter {
         let _ = children;
         false
     }
+
+    /// What this drafter has learnt that is worth keeping for a later run (Token Recycling's
+    /// matrix, the adaptive tree's rates), or `None` when it learns nothing lasting (the
+    /// default).
+    fn state(&self) -> Option<DrafterState> {
+        None
+    }
+
+    /// Takes over `state`, saved by [`Drafter::state`] of a drafter of the same spec and
+    /// vocabulary. A state that does not fit (another kind of drafter, vocabulary or candidate
+    /// count) is an error and changes nothing; the default keeps no state and refuses any.
+    fn restore(&mut self, state: DrafterState) -> Result<()> {
+        Err(CoreError::InvalidConfig(format!(
+            "drafter {} keeps no state, but was given {}",
+            self.name(),
+            state.kind()
+        )))
+    }
 }
 
 impl<D: Drafter + ?Sized> Drafter for Box<D> {
@@ -121,6 +140,12 @@ impl<D: Drafter + ?Sized> Drafter for Box<D> {
     }
     fn suggest(&mut self, children: &[(u32, f64)]) -> bool {
         (**self).suggest(children)
+    }
+    fn state(&self) -> Option<DrafterState> {
+        (**self).state()
+    }
+    fn restore(&mut self, state: DrafterState) -> Result<()> {
+        (**self).restore(state)
     }
 }
 

@@ -35,7 +35,8 @@ pub mod weights;
 pub use cache::{KvCache, LayerCache};
 pub use chat::{ChatMessage, ChatTemplate};
 pub use checkpoint::{
-    HeadMetadata, file_sha256, load_layer_head, load_lookahead_head, read_metadata, save_layer_head,
+    HeadMetadata, file_sha256, load_layer_head, load_lookahead_head, read_metadata,
+    save_layer_head, write_atomically,
 };
 pub use config::{Llama3RopeScaling, LlamaConfig};
 pub use error::{ModelError, Result};

@@ -143,3 +143,30 @@ fn greedy_trees_with_a_lookahead_head_are_token_identical_to_ar() {
         }
     }
 }
+
+/// A drafter restored from another one's saved state (as `generate --drafter-state` does,
+/// through JSON) starts from the matrix and rates it inherited and stays token-identical to AR.
+#[test]
+fn a_drafter_restored_from_a_saved_state_is_token_identical_to_ar() {
+    use eesd_core::Drafter;
+    let m = model();
+    let vocab = m.model.config().vocab_size;
+    let spec: DrafterSpec = "opt@8".parse().unwrap();
+    let config = tree_config(&greedy_config(identity_tokens()), "opt@8");
+    let mut teacher = Generator::new(&m.model).with_drafter(spec.build(vocab));
+    for g in golden() {
+        run(&mut teacher, &g.prompt_ids, &config);
+    }
+    let state = teacher.drafter().and_then(|d| d.state()).unwrap();
+    let json = serde_json::to_string(&state).unwrap();
+    let mut drafter = spec.build(vocab);
+    drafter.restore(serde_json::from_str(&json).unwrap()).unwrap();
+    let mut restored = Generator::new(&m.model).with_drafter(drafter);
+    let mut ar_gen = Generator::new(&m.model);
+    for q in spec_bench(4) {
+        let prompt = m.chat_prompt(&q.turns[0]).unwrap();
+        let ar = run(&mut ar_gen, &prompt, &greedy_config(identity_tokens()));
+        let out = run(&mut restored, &prompt, &config);
+        assert_eq!(out.tokens, ar.tokens, "question {}", q.question_id);
+    }
+}

@@ -24,6 +24,15 @@ impl std::fmt::Debug for Fused {
 }
 
 impl Drafter for Fused {
+    fn state(&self) -> Option<super::DrafterState> {
+        super::part_states(&self.parts)
+    }
+
+    fn restore(&mut self, state: super::DrafterState) -> crate::error::Result<()> {
+        let name = self.name();
+        super::restore_parts(&name, &mut self.parts, state)
+    }
+
     fn name(&self) -> String {
         let names: Vec<String> = self
             .parts

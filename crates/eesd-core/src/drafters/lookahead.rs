@@ -117,6 +117,14 @@ impl<M: LayeredModel, H: LookaheadHead<M>, D: Drafter> Drafter for HeadDrafter<'
         self.inner.choices()
     }
 
+    fn state(&self) -> Option<super::DrafterState> {
+        self.inner.state()
+    }
+
+    fn restore(&mut self, state: super::DrafterState) -> Result<()> {
+        self.inner.restore(state)
+    }
+
     fn feature_layer(&self) -> Option<usize> {
         Some(self.head.feature_layer())
     }

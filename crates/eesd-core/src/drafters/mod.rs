@@ -9,6 +9,7 @@ mod opt_tree;
 mod recycling;
 mod round_cost;
 mod spec;
+mod state;
 mod thompson;
 
 pub use fused::Fused;
@@ -18,11 +19,50 @@ pub use opt_tree::OptTree;
 pub use recycling::{TokenRecycling, TreeShape};
 pub use round_cost::RoundCost;
 pub use spec::{DrafterKind, DrafterSpec};
+pub use state::DrafterState;
 pub use thompson::ThompsonDrafters;
 
 /// Drafters that share the rounds of one generator, each with its node cap ([`Fused`],
 /// [`ThompsonDrafters`]).
 type Capped = (Box<dyn crate::drafter::Drafter + Send>, usize);
+
+/// The states of `drafters`, in order, or `None` when none keeps any.
+fn part_states(drafters: &[Capped]) -> Option<DrafterState> {
+    let states: Vec<Option<DrafterState>> = drafters.iter().map(|(d, _)| d.state()).collect();
+    states
+        .iter()
+        .any(Option::is_some)
+        .then_some(DrafterState::Parts(states))
+}
+
+/// Restores each of `drafters` from its part of `state` (from [`part_states`] of drafters of
+/// the same spec).
+fn restore_parts(
+    name: &str,
+    drafters: &mut [Capped],
+    state: DrafterState,
+) -> Result<(), crate::CoreError> {
+    let parts = match state {
+        DrafterState::Parts(parts) if parts.len() == drafters.len() => parts,
+        other => {
+            return Err(crate::CoreError::InvalidConfig(format!(
+                "drafter {name} of {} drafters cannot take {}{}",
+                drafters.len(),
+                other.kind(),
+                match &other {
+                    DrafterState::Parts(p) => format!(" ({})", p.len()),
+                    _ => String::new(),
+                }
+            )));
+        }
+    };
+    for ((drafter, _), part) in drafters.iter_mut().zip(parts) {
+        if let Some(part) = part {
+            drafter.restore(part)?;
+        }
+    }
+    Ok(())
+}
 
 /// The most candidates per verified row any of `drafters` wants.
 fn most_wanted(drafters: &[Capped]) -> usize {

@@ -22,8 +22,9 @@
 
 use std::collections::BinaryHeap;
 
-use super::{ContextLookup, Likely, RoundCost, TokenRecycling, TreeShape};
+use super::{ContextLookup, DrafterState, Likely, RoundCost, TokenRecycling, TreeShape};
 use crate::drafter::Drafter;
+use crate::error::{CoreError, Result};
 use crate::tree::DraftTree;
 
 /// Upper bounds of the logit-gap bins of recycled candidates (the last bin is open).
@@ -315,6 +316,44 @@ impl Drafter for OptTree {
     fn suggest(&mut self, children: &[(u32, f64)]) -> bool {
         self.suggested = children.to_vec();
         true
+    }
+
+    /// The recycling matrix and the edge rates (round times are not kept: they are this run's).
+    fn state(&self) -> Option<DrafterState> {
+        Some(DrafterState::Opt {
+            recycling: self.recycling.clone(),
+            hits: self.rates.hits.clone(),
+            seen: self.rates.seen.clone(),
+        })
+    }
+
+    fn restore(&mut self, state: DrafterState) -> Result<()> {
+        let DrafterState::Opt {
+            recycling,
+            hits,
+            seen,
+        } = state
+        else {
+            return Err(CoreError::InvalidConfig(format!(
+                "drafter opt cannot take {}",
+                state.kind()
+            )));
+        };
+        let counts_fit = hits.len() == Edge::COUNT
+            && seen.len() == Edge::COUNT
+            && hits
+                .iter()
+                .zip(&seen)
+                .all(|(&h, &s)| h.is_finite() && s.is_finite() && 0.0 <= h && h <= s);
+        if !counts_fit {
+            return Err(CoreError::InvalidConfig(format!(
+                "drafter opt: edge counts must be {} pairs with 0 <= hits <= trials",
+                Edge::COUNT
+            )));
+        }
+        self.recycling.restore(DrafterState::Recycling(recycling))?;
+        self.rates = EdgeRates { hits, seen };
+        Ok(())
     }
 
     fn round_time(&mut self, rows: usize, seconds: f64) {

@@ -12,8 +12,9 @@ use std::collections::BinaryHeap;
 
 use serde::{Deserialize, Serialize};
 
-use super::Likely;
+use super::{DrafterState, Likely};
 use crate::drafter::Drafter;
+use crate::error::{CoreError, Result};
 use crate::tree::DraftTree;
 
 /// Marks an adjacency entry that was never observed.
@@ -75,8 +76,10 @@ impl TreeShape {
     }
 }
 
-/// The Token Recycling drafter.
+/// The Token Recycling drafter. It serialises as its observed rows only ([`SparseMatrix`]), and
+/// a deserialised matrix is checked (ids inside the vocabulary, row lengths within `k`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(into = "SparseMatrix", try_from = "SparseMatrix")]
 pub struct TokenRecycling {
     /// Candidates kept per token.
     k: usize,
@@ -85,11 +88,77 @@ pub struct TokenRecycling {
     next: Vec<u32>,
     /// `[vocab][k]` how far each candidate's logit fell below the best one's (for the best:
     /// how far the second fell below it), the target's confidence when it was recorded.
-    #[serde(default)]
     gaps: Vec<f32>,
     /// Shapes by budget, computed on first use.
-    #[serde(skip)]
     shapes: Vec<TreeShape>,
+}
+
+/// Most candidates per token a deserialised matrix may keep (the paper uses 8).
+const MAX_K: usize = 64;
+
+/// Largest vocabulary a deserialised matrix may claim (its dense form is allocated).
+const MAX_VOCAB: usize = 1 << 22;
+
+/// The serialised form of [`TokenRecycling`]: only the rows that were observed (a few
+/// thousand of a vocabulary's tens of thousands after a few prompts).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SparseMatrix {
+    /// Candidates kept per token.
+    pub k: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// `(token, candidates best first, their logit gaps)` per observed row, by token.
+    pub rows: Vec<(u32, Vec<u32>, Vec<f32>)>,
+}
+
+impl From<TokenRecycling> for SparseMatrix {
+    fn from(m: TokenRecycling) -> Self {
+        let rows = (0..m.vocab as u32)
+            .filter(|&t| !m.candidates(t).is_empty())
+            .map(|t| {
+                let (next, gaps) = m.scored(t).unzip();
+                (t, next, gaps)
+            })
+            .collect();
+        SparseMatrix {
+            k: m.k,
+            vocab: m.vocab,
+            rows,
+        }
+    }
+}
+
+impl TryFrom<SparseMatrix> for TokenRecycling {
+    type Error = String;
+
+    fn try_from(s: SparseMatrix) -> std::result::Result<Self, String> {
+        if s.k == 0 || s.k > MAX_K || s.vocab == 0 || s.vocab > MAX_VOCAB {
+            return Err(format!(
+                "recycling matrix of k = {} and vocabulary {}: k must be 1..={MAX_K} and the \
+                 vocabulary 1..={MAX_VOCAB}",
+                s.k, s.vocab
+            ));
+        }
+        let mut m = TokenRecycling::new(s.vocab, s.k);
+        for (token, next, gaps) in s.rows {
+            let in_vocab = |t: u32| (t as usize) < s.vocab;
+            if !in_vocab(token)
+                || next.len() > s.k
+                || gaps.len() != next.len()
+                || !next.iter().all(|&t| in_vocab(t))
+            {
+                return Err(format!(
+                    "recycling matrix row of token {token}: ids must be below {}, at most {} \
+                     candidates with one gap each",
+                    s.vocab, s.k
+                ));
+            }
+            let at = token as usize * s.k;
+            m.next[at..at + next.len()].copy_from_slice(&next);
+            m.gaps[at..at + gaps.len()].copy_from_slice(&gaps);
+        }
+        Ok(m)
+    }
 }
 
 impl TokenRecycling {
@@ -191,13 +260,33 @@ impl Drafter for TokenRecycling {
         self.k
     }
 
+    fn state(&self) -> Option<DrafterState> {
+        Some(DrafterState::Recycling(self.clone()))
+    }
+
+    /// Takes over a matrix of the same vocabulary and candidate count.
+    fn restore(&mut self, state: DrafterState) -> Result<()> {
+        match state {
+            DrafterState::Recycling(m) if (m.vocab, m.k) == (self.vocab, self.k) => {
+                (self.next, self.gaps) = (m.next, m.gaps);
+                Ok(())
+            }
+            DrafterState::Recycling(m) => Err(CoreError::InvalidConfig(format!(
+                "recycling matrix of vocabulary {} and k = {} does not fit a drafter of \
+                 vocabulary {} and k = {}",
+                m.vocab, m.k, self.vocab, self.k
+            ))),
+            other => Err(CoreError::InvalidConfig(format!(
+                "drafter recycle cannot take {}",
+                other.kind()
+            ))),
+        }
+    }
+
     fn observe(&mut self, token: u32, candidates: &[u32], logits: &[f32]) {
         let t = token as usize;
         if t >= self.vocab {
             return;
-        }
-        if self.gaps.len() != self.next.len() {
-            self.gaps = vec![UNKNOWN_GAP; self.next.len()];
         }
         let (k, vocab) = (self.k, self.vocab);
         let row = &mut self.next[t * k..(t + 1) * k];
@@ -256,5 +345,26 @@ mod tests {
         let json = serde_json::to_string(&r).unwrap();
         let back: TokenRecycling = serde_json::from_str(&json).unwrap();
         assert_eq!(back.candidates(2), &[4]);
+        assert_eq!(back.scored(1).collect::<Vec<_>>(), vec![(5, 3.0), (3, 7.0)]);
+        assert!(back.candidates(0).is_empty());
+    }
+
+    #[test]
+    fn a_saved_matrix_is_checked_when_it_is_read() {
+        let read = |json: &str| serde_json::from_str::<TokenRecycling>(json);
+        assert!(read(r#"{"k":2,"vocab":10,"rows":[[1,[2,3],[0.5,1.0]]]}"#).is_ok());
+        for bad in [
+            r#"{"k":0,"vocab":10,"rows":[]}"#,
+            r#"{"k":2,"vocab":0,"rows":[]}"#,
+            r#"{"k":2,"vocab":99999999999,"rows":[]}"#,
+            r#"{"k":100000,"vocab":10,"rows":[]}"#,
+            r#"{"k":2,"vocab":10,"rows":[[10,[2],[0.5]]]}"#,
+            r#"{"k":2,"vocab":10,"rows":[[1,[2,30],[0.5,1.0]]]}"#,
+            r#"{"k":2,"vocab":10,"rows":[[1,[2,3,4],[0.5,1.0,1.0]]]}"#,
+            r#"{"k":2,"vocab":10,"rows":[[1,[2,3],[0.5]]]}"#,
+            r#"{"k":2,"vocab":10}"#,
+        ] {
+            assert!(read(bad).is_err(), "{bad}");
+        }
     }
 }

@@ -145,6 +145,7 @@ impl fmt::Display for DrafterSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::drafters::DrafterState;
 
     #[test]
     fn parses_and_prints_specs() {
@@ -180,5 +181,62 @@ mod tests {
             assert!(bad.parse::<DrafterSpec>().is_err(), "{bad}");
         }
         assert_eq!(fused.build(100).name(), "lookup:8+recycle:16");
+    }
+
+    /// Feeds a drafter a few rounds of a repetitive text, as the generator would.
+    fn train(d: &mut dyn Drafter) {
+        let text: Vec<u32> = (0..60).map(|i| (i * 7 % 13) as u32).collect();
+        for end in 2..text.len() {
+            let context = &text[..end];
+            let tree = d.propose(context, 8);
+            let best: Vec<u32> = (0..=tree.len()).map(|i| text[(end + i) % 60]).collect();
+            d.verified(&tree, &best);
+            let next = text[end % 60];
+            d.observe(context[end - 1], &[next, (next + 1) % 13], &[2.0, 1.0]);
+            d.emitted(1);
+        }
+    }
+
+    #[test]
+    fn learnt_state_survives_json_and_restores_into_the_same_spec() {
+        for spec in [
+            "recycle@8",
+            "opt@8",
+            "opt@16:auto",
+            "fused@8:4",
+            "ts:opt@8|lookup@8",
+        ] {
+            let spec: DrafterSpec = spec.parse().unwrap();
+            let mut trained = spec.build(13);
+            train(&mut trained);
+            let state = trained.state().expect("keeps state");
+            let json = serde_json::to_string(&state).unwrap();
+            let mut fresh = spec.build(13);
+            fresh.restore(serde_json::from_str(&json).unwrap()).unwrap();
+            let again = serde_json::to_string(&fresh.state().unwrap()).unwrap();
+            assert_eq!(again, json, "{spec}");
+            if !matches!(spec.kind, DrafterKind::Thompson(_)) {
+                let context = [3, 10, 4];
+                assert_eq!(
+                    fresh.propose(&context, 8),
+                    trained.propose(&context, 8),
+                    "{spec}"
+                );
+            }
+        }
+        // Lookup learns nothing lasting; states of another kind or shape are refused.
+        let mut lookup = "lookup@8".parse::<DrafterSpec>().unwrap().build(13);
+        assert!(lookup.state().is_none());
+        let mut opt = "opt@8".parse::<DrafterSpec>().unwrap().build(13);
+        train(&mut opt);
+        let state = opt.state().unwrap();
+        assert!(lookup.restore(state.clone()).is_err());
+        let mut recycle = "recycle@8".parse::<DrafterSpec>().unwrap().build(13);
+        assert!(recycle.restore(state.clone()).is_err());
+        assert!(recycle.state().unwrap_or_else(|| unreachable!()).kind() == "a recycling matrix");
+        let mut fused = "fused@8:4".parse::<DrafterSpec>().unwrap().build(13);
+        assert!(fused.restore(DrafterState::Parts(vec![None])).is_err());
+        let mut wider = "opt@8".parse::<DrafterSpec>().unwrap().build(14);
+        assert!(wider.restore(state).is_err());
     }
 }

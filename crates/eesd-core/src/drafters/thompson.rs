@@ -59,6 +59,17 @@ impl std::fmt::Debug for ThompsonDrafters {
 }
 
 impl Drafter for ThompsonDrafters {
+    /// The arms' states (the bandit's posteriors are rewards in tokens/s of this run, and
+    /// start afresh).
+    fn state(&self) -> Option<super::DrafterState> {
+        super::part_states(&self.arms)
+    }
+
+    fn restore(&mut self, state: super::DrafterState) -> crate::error::Result<()> {
+        let name = self.name();
+        super::restore_parts(&name, &mut self.arms, state)
+    }
+
     fn name(&self) -> String {
         let names: Vec<String> = self.arms.iter().map(|(d, _)| d.name()).collect();
         format!("ts({})", names.join("|"))
