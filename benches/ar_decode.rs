@@ -12,6 +12,9 @@
 //! of `--prefill-tokens` ids (spread over the vocabulary, no template) through the whole model
 //! and the last row's logits, the best of three.
 
+#[path = "common/output.rs"]
+mod output;
+
 use std::ops::ControlFlow;
 
 use anyhow::{Context, Result};
@@ -34,12 +37,8 @@ struct Args {
     /// Prompt length of the prefill measurement (0: none).
     #[arg(long, default_value_t = 512)]
     prefill_tokens: usize,
-    /// Print JSON.
-    #[arg(long)]
-    json: bool,
-    /// cargo bench passes --bench; accept and ignore it.
-    #[arg(long, hide = true)]
-    bench: bool,
+    #[command(flatten)]
+    output: output::Output,
 }
 
 const PROMPTS: [&str; 4] = [
@@ -114,7 +113,7 @@ fn main() -> Result<()> {
     }
     // The machine's limits: the best of a measurement before and one after the runs.
     let machine = before.map(|b| b.best_with(&Roofline::measure()));
-    if let (Some(m), false) = (&machine, args.json) {
+    if let (Some(m), false) = (&machine, args.output.json) {
         println!("{m}");
     }
     let mut rows = Vec::new();
@@ -141,12 +140,12 @@ fn main() -> Result<()> {
             row["efficiency"] = efficiency.into();
             line += &format!(", roofline {limit_tps:6.1} tokens/s, efficiency {efficiency:.2}");
         }
-        if !args.json {
+        if !args.output.json {
             println!("{line}");
         }
         rows.push(row);
     }
-    if args.json {
+    if args.output.json {
         println!(
             "{}",
             serde_json::json!({

@@ -11,6 +11,9 @@
 //! weighted values; row `i` of the block sees `c + i + 1` positions). Time is the best of
 //! `--reps` forwards, the configurations taken round in turn so that a noisy host affects all.
 
+#[path = "common/output.rs"]
+mod output;
+
 use anyhow::{Result, ensure};
 use clap::Parser;
 use eesd::models::cpu::attention::{Heads, KvStore, attend};
@@ -40,12 +43,8 @@ struct Args {
     /// Timed forwards per configuration (the best counts).
     #[arg(long, default_value_t = 20)]
     reps: usize,
-    /// Print JSON.
-    #[arg(long)]
-    json: bool,
-    /// cargo bench passes --bench; accept and ignore it.
-    #[arg(long, hide = true)]
-    bench: bool,
+    #[command(flatten)]
+    output: output::Output,
 }
 
 /// One configuration: its layer stores, its queries and the best time so far.
@@ -119,7 +118,7 @@ fn main() -> Result<()> {
         }
     }
     let machine = before.best_with(&Roofline::measure());
-    if !args.json {
+    if !args.output.json {
         println!("{machine}");
     }
     let mut results = Vec::new();
@@ -132,7 +131,7 @@ fn main() -> Result<()> {
         let flops = layers * seen * 2.0 * 2.0 * (heads.q * heads.d) as f64;
         let limit = machine.seconds(bytes, flops, 0.0);
         let efficiency = limit / case.best;
-        if !args.json {
+        if !args.output.json {
             println!(
                 "context {:5} rows {:2}: {:7.3} ms ({:5.1} GB/s, {:6.1} GFLOP/s), roofline {:6.3} ms ({}-bound), efficiency {efficiency:.2}",
                 case.context,
@@ -150,7 +149,7 @@ fn main() -> Result<()> {
             "efficiency": efficiency,
         }));
     }
-    if args.json {
+    if args.output.json {
         println!(
             "{}",
             serde_json::json!({

@@ -14,6 +14,9 @@
 //! `--reps` passes, the row counts taken round in turn. With `--threads` below the machine's
 //! cores, the roofline's arithmetic peak is that share of the measured one.
 
+#[path = "common/output.rs"]
+mod output;
+
 use anyhow::{Result, bail};
 use clap::Parser;
 use eesd::models::cpu::{Isa, Pool, QuantFormat, QuantMatrix, Roofline, roofline};
@@ -42,12 +45,8 @@ struct Args {
     /// Timed passes per row count (the best counts).
     #[arg(long, default_value_t = 20)]
     reps: usize,
-    /// Print JSON.
-    #[arg(long)]
-    json: bool,
-    /// cargo bench passes --bench; accept and ignore it.
-    #[arg(long, hide = true)]
-    bench: bool,
+    #[command(flatten)]
+    output: output::Output,
 }
 
 /// `blocks` GGUF blocks of `format` with pseudo-random codes and small positive scales.
@@ -117,7 +116,7 @@ fn main() -> Result<()> {
         machine.fma_gflop_s *= pool.threads() as f64 / machine.threads as f64;
         machine.threads = pool.threads();
     }
-    if !args.json {
+    if !args.output.json {
         println!("{machine}");
         println!(
             "{format}, {} layers ({}), {} threads",
@@ -137,7 +136,7 @@ fn main() -> Result<()> {
         let streamed = if args.resident { 0.0 } else { bytes };
         let limit = machine.seconds(streamed, 0.0, 2.0 * macs);
         let (gmacs, efficiency) = (macs / seconds / 1e9, limit / seconds);
-        if !args.json {
+        if !args.output.json {
             println!(
                 "rows {rows:2}: {:7.3} ms ({gmacs:6.1} G multiply-adds/s, {:5.1} GB/s), roofline {:6.3} ms, efficiency {efficiency:.2}",
                 seconds * 1e3,
@@ -150,7 +149,7 @@ fn main() -> Result<()> {
             "roofline_ms": limit * 1e3, "efficiency": efficiency,
         }));
     }
-    if args.json {
+    if args.output.json {
         println!(
             "{}",
             serde_json::json!({
