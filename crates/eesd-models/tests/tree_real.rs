@@ -160,7 +160,9 @@ fn a_drafter_restored_from_a_saved_state_is_token_identical_to_ar() {
     let state = teacher.drafter().and_then(|d| d.state()).unwrap();
     let json = serde_json::to_string(&state).unwrap();
     let mut drafter = spec.build(vocab);
-    drafter.restore(serde_json::from_str(&json).unwrap()).unwrap();
+    drafter
+        .restore(serde_json::from_str(&json).unwrap())
+        .unwrap();
     let mut restored = Generator::new(&m.model).with_drafter(drafter);
     let mut ar_gen = Generator::new(&m.model);
     for q in spec_bench(4) {
