@@ -19,7 +19,9 @@ use eesd::core::Drafter;
 use eesd::core::drafters::{DrafterSpec, DrafterState, HeadDrafter};
 use eesd::core::{Backend, GenerationConfig, GenerationOutput, Generator, Mode, SamplingParams};
 use eesd::models::{AnyHead, LoadOptions, LoadedModel, NormHead, TextStream, WeightDType, fetch};
-use eesd::models::{file_sha256, load_layer_head, load_lookahead_head, write_atomically};
+use eesd::models::{
+    file_sha256, load_layer_head, load_lookahead_head, read_metadata, write_atomically,
+};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -46,10 +48,11 @@ struct Args {
     /// Thompson Sampling on measured tokens per second).
     #[arg(long, default_value = "opt@16:auto")]
     drafter: DrafterSpec,
-    /// A lookahead head checkpoint (`train_exit_head --head lookahead`) whose drafts of each
-    /// root's children join the drafter's trees.
-    #[arg(long)]
-    tree_head: Option<PathBuf>,
+    /// Lookahead head whose drafts of each root's children join the drafter's trees: `auto`
+    /// (the shipped one where it was trained for the model file, else none), `shipped`, `none`,
+    /// or the path prefix of a checkpoint (`train_exit_head --head lookahead`).
+    #[arg(long, default_value = "auto")]
+    tree_head: String,
     /// A file keeping what the tree drafter learns between runs (Token Recycling's matrix,
     /// the adaptive tree's rates), tied to the model file: read before generating when it
     /// exists, written after.
@@ -157,7 +160,8 @@ fn main() -> Result<()> {
     // Plain AR and tree speculation need no exit head: load one only for EESD.
     let needs_head = modes.contains(&Mode::Eesd) && args.head != "norm";
     // Trained heads are tied to the model file: hash it once for whichever heads are loaded.
-    let sha = match needs_head || args.tree_head.is_some() || args.drafter_state.is_some() {
+    let wants_tree_head = modes.contains(&Mode::Tree) && args.tree_head != "none";
+    let sha = match needs_head || wants_tree_head || args.drafter_state.is_some() {
         true => file_sha256(&path)?,
         false => String::new(),
     };
@@ -187,7 +191,17 @@ fn main() -> Result<()> {
     let mut eesd = Generator::new(&lm.model)
         .with_head(&head)
         .with_policy(policy);
-    let tree_head = match &args.tree_head {
+    let shipped = Path::new(eesd::SHIPPED_LOOKAHEAD_HEAD);
+    let tree_head_prefix = match args.tree_head.as_str() {
+        _ if !wants_tree_head => None,
+        // The shipped head only where it was trained for this very model file.
+        "auto" => read_metadata(shipped)
+            .is_ok_and(|m| m.base_model_sha256 == sha)
+            .then_some(shipped),
+        "shipped" => Some(shipped),
+        prefix => Some(Path::new(prefix)),
+    };
+    let tree_head = match tree_head_prefix {
         Some(prefix) => Some(
             load_lookahead_head(prefix, &lm.model, Some(&sha))
                 .with_context(|| {

@@ -58,3 +58,12 @@ pub const SHIPPED_HEAD: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/assets/heads/smollm2-135m-instruct"
 );
+
+/// Path prefix of the lookahead head shipped for SmolLM2-135M-Instruct (EAGLE-style input: the
+/// last layer's state and the next token's embedding; drafts each tree root's children beside a
+/// train-free drafter, through [`core::drafters::HeadDrafter`]); load it with
+/// [`models::load_lookahead_head`]. Tied to the base model's SHA-256 like [`SHIPPED_HEAD`].
+pub const SHIPPED_LOOKAHEAD_HEAD: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/assets/heads/smollm2-135m-instruct-lookahead"
+);

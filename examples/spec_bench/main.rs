@@ -12,7 +12,7 @@
 //! `recycle@B`, `lookup@B`, `fused@B[:L]`, `opt@B`, `opt@B:auto` or Thompson Sampling over
 //! several, `ts:opt@16:auto|lookup@8` (`DrafterSpec`), optionally
 //! `+HEAD` with the checkpoint prefix of a lookahead head whose drafts of each root's children
-//! join the tree (`opt@8+heads/lookahead`). For every question the methods run right after
+//! join the tree (`opt@8+heads/lookahead`; `opt@8+shipped`: the one in `assets/heads`). For every question the methods run right after
 //! AR on the same prompt (first turn, chat template), so machine drift cancels in the speedup, and
 //! every method's tokens are compared with AR's: `divergences` must be 0.
 
@@ -62,7 +62,7 @@ struct Args {
     /// probability A); POLICY as `Policy::parse` (fixed:K, threshold:T, beta-ts, calibrated-ts,
     /// cost-ts). Or a tree drafter: `recycle@B`, `lookup@B`, `fused@B[:L]`, `opt@B`,
     /// `opt@B:auto`, `ts:A|B|...` (one of those per round, by Thompson Sampling), with `+HEAD`
-    /// a lookahead head checkpoint whose drafts join its trees (`opt@8+PATH`).
+    /// a lookahead head checkpoint whose drafts join its trees (`opt@8+PATH`, `opt@8+shipped`).
     #[arg(
         long,
         value_delimiter = ',',
@@ -117,7 +117,11 @@ fn parse_method(spec: &str, seed: u64, lm: &LoadedModel, model_sha: &str) -> Res
     if let Some((drafter, head)) = spec.split_once('+')
         && let Ok(drafter) = drafter.parse::<DrafterSpec>()
     {
-        let (head, _) = load_lookahead_head(Path::new(head), &lm.model, Some(model_sha))
+        let path = match head {
+            "shipped" => eesd::SHIPPED_LOOKAHEAD_HEAD,
+            other => other,
+        };
+        let (head, _) = load_lookahead_head(Path::new(path), &lm.model, Some(model_sha))
             .with_context(|| {
                 format!("head `{head}` of method `{spec}` (chain heads: HEAD/POLICY)")
             })?;
