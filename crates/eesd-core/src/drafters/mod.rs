@@ -16,7 +16,7 @@ pub use fused::Fused;
 pub use lookahead::HeadDrafter;
 pub use lookup::ContextLookup;
 pub use opt_tree::OptTree;
-pub use recycling::{TokenRecycling, TreeShape};
+pub use recycling::{SparseMatrix, TokenRecycling, TreeShape};
 pub use round_cost::RoundCost;
 pub use spec::{DrafterKind, DrafterSpec};
 pub use state::DrafterState;
