@@ -92,13 +92,19 @@ fn main() -> Result<()> {
     let widest = SHAPES.iter().map(|s| s.0.max(s.1)).max().unwrap_or(0);
     let macs_per_row = (SHAPES.iter().map(|&(o, k)| o * k).sum::<usize>() * args.layers) as f64;
     let bytes = (matrices.iter().map(QuantMatrix::bytes).sum::<usize>() * repeats) as f64;
-    let mut best = vec![f64::MAX; args.rows.len()];
-    for _ in 0..args.reps.max(1) {
-        for (&rows, best) in args.rows.iter().zip(&mut best) {
-            let x: Vec<f32> = (0..rows * widest)
+    // Each row count's activations and outputs, made once.
+    let mut io: Vec<(usize, Vec<f32>, Vec<f32>)> = (args.rows.iter())
+        .map(|&rows| {
+            let x = (0..rows * widest)
                 .map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0)
                 .collect();
-            let mut y = vec![0f32; rows * widest];
+            (rows, x, vec![0f32; rows * widest])
+        })
+        .collect();
+    let mut best = vec![f64::MAX; args.rows.len()];
+    for _ in 0..args.reps.max(1) {
+        for ((rows, x, y), best) in io.iter_mut().zip(&mut best) {
+            let rows = *rows;
             let start = Instant::now();
             for _ in 0..repeats {
                 for m in &matrices {

@@ -10,7 +10,7 @@
 use burn::tensor::Tensor;
 
 use crate::drafters::DrafterState;
-use crate::error::{CoreError, Result};
+use crate::error::Result;
 use crate::tree::DraftTree;
 
 /// Proposes draft trees and learns from verification.
@@ -99,11 +99,7 @@ pub trait Drafter {
     /// vocabulary. A state that does not fit (another kind of drafter, vocabulary or candidate
     /// count) is an error and changes nothing; the default keeps no state and refuses any.
     fn restore(&mut self, state: DrafterState) -> Result<()> {
-        Err(CoreError::InvalidConfig(format!(
-            "drafter {} keeps no state, but was given {}",
-            self.name(),
-            state.kind()
-        )))
+        Err(state.refused_by(&self.name()))
     }
 }
 

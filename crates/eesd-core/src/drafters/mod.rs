@@ -44,17 +44,14 @@ fn restore_parts(
 ) -> Result<(), crate::CoreError> {
     let parts = match state {
         DrafterState::Parts(parts) if parts.len() == drafters.len() => parts,
-        other => {
+        DrafterState::Parts(parts) => {
             return Err(crate::CoreError::InvalidConfig(format!(
-                "drafter {name} of {} drafters cannot take {}{}",
+                "drafter {name} has {} drafters, the state {}",
                 drafters.len(),
-                other.kind(),
-                match &other {
-                    DrafterState::Parts(p) => format!(" ({})", p.len()),
-                    _ => String::new(),
-                }
+                parts.len()
             )));
         }
+        other => return Err(other.refused_by(name)),
     };
     for ((drafter, _), part) in drafters.iter_mut().zip(parts) {
         if let Some(part) = part {

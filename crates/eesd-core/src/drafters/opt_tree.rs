@@ -334,10 +334,7 @@ impl Drafter for OptTree {
             seen,
         } = state
         else {
-            return Err(CoreError::InvalidConfig(format!(
-                "drafter opt cannot take {}",
-                state.kind()
-            )));
+            return Err(state.refused_by(&self.name()));
         };
         let counts_fit = hits.len() == Edge::COUNT
             && seen.len() == Edge::COUNT

@@ -276,10 +276,7 @@ impl Drafter for TokenRecycling {
                  vocabulary {} and k = {}",
                 m.vocab, m.k, self.vocab, self.k
             ))),
-            other => Err(CoreError::InvalidConfig(format!(
-                "drafter recycle cannot take {}",
-                other.kind()
-            ))),
+            other => Err(other.refused_by(&self.name())),
         }
     }
 

@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::TokenRecycling;
+use crate::error::CoreError;
 
 /// The learnt state of a drafter ([`crate::Drafter::state`]), restored into a drafter of the
 /// same kind with [`crate::Drafter::restore`].
@@ -35,5 +36,10 @@ impl DrafterState {
             DrafterState::Opt { .. } => "an adaptive tree's matrix and rates",
             DrafterState::Parts(_) => "the states of several drafters",
         }
+    }
+
+    /// The error of drafter `drafter`, which cannot take this state.
+    pub fn refused_by(&self, drafter: &str) -> CoreError {
+        CoreError::InvalidConfig(format!("drafter {drafter} cannot take {}", self.kind()))
     }
 }
