@@ -6,8 +6,9 @@
 //!     --prompts ../shared/data/train_prompts.jsonl --num-prompts 300 --steps 600 --out heads/smollm2-l6
 //! ```
 //! Stages, each resumable: (1) the frozen model answers the prompts through its chat template
-//! (greedy, `--batch` prompts decoded together; saved as `{"prompt": i, "tokens": [...],
-//! "prompt_len": n}` lines in `OUT.data.jsonl`, appended as answers finish); (2) the draft
+//! (greedy, plus `--sampled K` answers per prompt drawn at `--temperature`; `--batch` prompts
+//! decoded together; saved as `{"prompt": i, "sample": s, "tokens": [...], "prompt_len": n}`
+//! lines in `OUT.data.jsonl`, sample 0 the greedy answer, appended as answers finish); (2) the draft
 //! vocabulary = the most frequent tokens of those answers; (3) training with held-out evaluation,
 //! whole sequences packed into blocks of `--tokens-per-step` tokens, the state (weights, AdamW
 //! moments, step) saved every `--save-every` steps — rerun with the same arguments and
@@ -20,12 +21,13 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 use clap::Parser;
-use eesd::core::{Backend, DraftHead};
+use eesd::core::{Backend, DraftHead, SamplingParams};
 use eesd::models::{HeadKind, LayerHead, Llama, LoadOptions, LoadedModel, VocabSubset, fetch};
 use eesd::train::checkpoint::FORMAT_VERSION;
 use eesd::train::{
-    AnswerConfig, DistillConfig, Distiller, EvalMetrics, HeadMetadata, Sequence, Teacher,
-    TrainError, file_sha256, generate_answers, pack, recover_jsonl, save_layer_head, state_path,
+    AnswerConfig, AnswerPrompt, DistillConfig, Distiller, EvalMetrics, HeadMetadata, Sequence,
+    Teacher, TrainError, file_sha256, generate_answers, pack, recover_jsonl, save_layer_head,
+    state_path,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -70,6 +72,20 @@ struct Args {
     /// all of them).
     #[arg(long, default_value_t = 8)]
     batch: usize,
+    /// Sampled answers per prompt besides the greedy one (more varied data from the same
+    /// prompts; the held-out prompts' samples are never trained on).
+    #[arg(long, default_value_t = 0)]
+    sampled: usize,
+    /// Temperature of the sampled answers.
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    /// Top-p of the sampled answers.
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    /// Seed of the sampled answers (each prompt and sample draws from its own stream, so a
+    /// resumed run samples what a full run would have).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
     /// Optimisation steps.
     #[arg(long, default_value_t = 600)]
     steps: usize,
@@ -95,7 +111,8 @@ struct Args {
     /// Weight of the extra cross-entropy term on the full model's greedy token (0 = KL only).
     #[arg(long, default_value_t = 0.0)]
     ce_weight: f32,
-    /// Sequences held out for evaluation (the first ones of the data).
+    /// Prompts held out for evaluation (the first ones): their greedy answers are evaluated,
+    /// none of their answers is trained on.
     #[arg(long, default_value_t = 40)]
     held_out: usize,
     /// Evaluate every this many steps.
@@ -118,12 +135,21 @@ fn init_layer(args: &Args, m: &Llama, n: usize) -> usize {
     args.init_layer.unwrap_or(n.min(m.num_layers() - 1))
 }
 
-/// One line of `OUT.data.jsonl`: a prompt's index in the prompt file and the sequence.
+/// One line of `OUT.data.jsonl`: a prompt's index in the prompt file, which answer (0 the
+/// greedy one, 1.. sampled; files written before sampling have none: greedy) and the sequence.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Record {
     prompt: usize,
+    #[serde(default)]
+    sample: usize,
     #[serde(flatten)]
     sequence: Sequence,
+}
+
+/// The seed of sampled answer `sample` to prompt `prompt`: a stream of its own.
+fn answer_seed(seed: u64, prompt: usize, sample: usize) -> u64 {
+    let key = ((prompt as u64) << 16) ^ sample as u64;
+    seed ^ key.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
 fn main() -> Result<()> {
@@ -155,58 +181,96 @@ fn main() -> Result<()> {
     let mut records: Vec<Record> = recover_jsonl(&data_path)?;
     let prompts = prompts::load(&args.prompts, args.num_prompts)?;
     let wanted = prompts.len();
-    let done: std::collections::HashSet<usize> = records.iter().map(|r| r.prompt).collect();
-    let missing: Vec<usize> = (0..wanted).filter(|i| !done.contains(i)).collect();
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: 0,
+        top_p: args.top_p,
+    };
+    if args.sampled > 0 {
+        sampling.validate()?;
+    }
+    let done: std::collections::HashSet<(usize, usize)> =
+        records.iter().map(|r| (r.prompt, r.sample)).collect();
+    // Greedy answers first, then each round of samples.
+    let missing: Vec<(usize, usize)> = (0..=args.sampled)
+        .flat_map(|s| (0..wanted).map(move |i| (i, s)))
+        .filter(|key| !done.contains(key))
+        .collect();
+    let mut answer_tokens = 0usize;
     if !missing.is_empty() {
-        let bar = ProgressBar::new(wanted as u64);
+        let bar = ProgressBar::new((wanted * (args.sampled + 1)) as u64);
         bar.set_style(ProgressStyle::with_template(
             "answering {bar:40} {pos}/{len} [{elapsed_precise} < {eta_precise}]",
         )?);
-        bar.set_position((wanted - missing.len()) as u64);
+        bar.set_position((wanted * (args.sampled + 1) - missing.len()) as u64);
         let mut file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&data_path)?;
-        let config = AnswerConfig {
-            max_new_tokens: args.answer_tokens,
-            stop_tokens: lm.tokenizer.eos_token_id().into_iter().collect(),
-            batch: args.batch,
+        let chat = |i: usize| -> Result<Vec<u32>> {
+            let mut ids = lm.chat_prompt(&prompts[i])?;
+            ids.truncate(1024);
+            Ok(ids)
         };
-        let todo = missing
-            .iter()
-            .map(|&i| {
-                let mut ids = lm.chat_prompt(&prompts[i])?;
-                ids.truncate(1024);
-                Ok(ids)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        generate_answers(m, todo, &config, |n, sequence| {
-            let record = Record {
-                prompt: missing[n],
-                sequence,
+        for greedy in [true, false] {
+            let todo: Vec<(usize, usize)> = missing
+                .iter()
+                .copied()
+                .filter(|&(_, s)| (s == 0) == greedy)
+                .collect();
+            if todo.is_empty() {
+                continue;
+            }
+            let config = AnswerConfig {
+                max_new_tokens: args.answer_tokens,
+                stop_tokens: lm.tokenizer.eos_token_id().into_iter().collect(),
+                batch: args.batch,
+                sampling: if greedy {
+                    SamplingParams::greedy()
+                } else {
+                    sampling
+                },
             };
-            // One write per line, so a kill tears at most the last line.
-            let line = serde_json::to_string(&record).map_err(std::io::Error::other);
-            line.and_then(|line| file.write_all(format!("{line}\n").as_bytes()))
-                .map_err(|source| TrainError::Io {
-                    path: data_path.clone(),
-                    source,
-                })?;
-            records.push(record);
-            bar.inc(1);
-            Ok(())
-        })?;
+            let inputs = todo
+                .iter()
+                .map(|&(i, s)| {
+                    Ok(AnswerPrompt {
+                        tokens: chat(i)?,
+                        seed: answer_seed(args.seed, i, s),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            generate_answers(m, inputs, &config, |n, sequence| {
+                let (prompt, sample) = todo[n];
+                answer_tokens += sequence.tokens.len() - sequence.prompt_len;
+                let record = Record {
+                    prompt,
+                    sample,
+                    sequence,
+                };
+                // One write per line, so a kill tears at most the last line.
+                let line = serde_json::to_string(&record).map_err(std::io::Error::other);
+                line.and_then(|line| file.write_all(format!("{line}\n").as_bytes()))
+                    .map_err(|source| TrainError::Io {
+                        path: data_path.clone(),
+                        source,
+                    })?;
+                records.push(record);
+                bar.inc(1);
+                Ok(())
+            })?;
+        }
         bar.finish();
     }
-    records.retain(|r| r.prompt < wanted);
-    records.sort_by_key(|r| r.prompt);
-    let data: Vec<Sequence> = records.into_iter().map(|r| r.sequence).collect();
+    records.retain(|r| r.prompt < wanted && r.sample <= args.sampled);
+    records.sort_by_key(|r| (r.prompt, r.sample));
     let generation_seconds = started.elapsed().as_secs_f64();
 
     // (2) Draft vocabulary: the most frequent tokens of the data, EOS always included.
     let mut counts = vec![0u64; m.config().vocab_size];
-    data.iter()
-        .flat_map(|s| &s.tokens)
+    records
+        .iter()
+        .flat_map(|r| &r.sequence.tokens)
         .for_each(|&t| counts[t as usize] += 1);
     let eos: Vec<u32> = lm.tokenizer.eos_token_id().into_iter().collect();
     let subset = (args.vocab > 0)
@@ -221,9 +285,25 @@ fn main() -> Result<()> {
         );
     }
 
-    // (3) Train, holding the first `--held-out` sequences out for evaluation.
-    let held = args.held_out.clamp(1, data.len().saturating_sub(1).max(1));
-    let (held_out, train) = data.split_at(held);
+    // (3) Train, holding the first `--held-out` prompts out: their greedy answers are the
+    // evaluation set, and none of their answers (sampled ones included) is trained on.
+    let held = args.held_out.clamp(1, wanted.saturating_sub(1).max(1));
+    let (held_records, train_records): (Vec<Record>, Vec<Record>) =
+        records.into_iter().partition(|r| r.prompt < held);
+    let held_out: Vec<Sequence> = held_records
+        .into_iter()
+        .filter(|r| r.sample == 0)
+        .map(|r| r.sequence)
+        .collect();
+    let train: Vec<Sequence> = train_records.into_iter().map(|r| r.sequence).collect();
+    if held_out.is_empty() || train.is_empty() {
+        bail!(
+            "{} held-out and {} training sequences: answer more prompts",
+            held_out.len(),
+            train.len()
+        );
+    }
+    let (held_out, train) = (held_out.as_slice(), train.as_slice());
     let config = DistillConfig {
         learning_rate: args.lr,
         ce_weight: args.ce_weight,
@@ -272,6 +352,10 @@ fn main() -> Result<()> {
     bar.set_style(ProgressStyle::with_template(
         "training {bar:40} {pos}/{len} loss {msg} [{elapsed_precise} < {eta_precise}]",
     )?);
+    let (train_started, first_step) = (
+        Instant::now(),
+        runs.iter().map(|r| r.distiller.step()).min().unwrap_or(0),
+    );
     // Heads saved at different steps (a run killed between their saves) catch up one by one;
     // heads at the same step share the frozen model's pass over the step's batch.
     while let Some(step) = runs
@@ -313,6 +397,13 @@ fn main() -> Result<()> {
         bar.set_message(losses.join(" "));
     }
     bar.finish();
+    // Tokens through the shared teacher pass and every head, per second of this run's training
+    // (held-out evaluations included).
+    let trained = tokens_seen(total) - tokens_seen(first_step.min(total));
+    let train_tokens_per_second = trained as f64 / train_started.elapsed().as_secs_f64().max(1e-9);
+    if trained > 0 {
+        eprintln!("trained on {trained} tokens at {train_tokens_per_second:.0} tokens/s");
+    }
 
     // (4) Checkpoints.
     let sha = file_sha256(&path)?;
@@ -347,16 +438,16 @@ fn main() -> Result<()> {
             hidden_size: m.config().hidden_size,
             vocab_subset: head.token_ids().map(<[u32]>::to_vec),
             training: serde_json::json!({
-                "distill": config, "init_layer": init, "prompts": args.num_prompts, "sequences": data.len(),
+                "distill": config, "init_layer": init, "prompts": args.num_prompts, "sequences": held_out.len() + train.len(), "sampled_per_prompt": args.sampled, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
                 "held_out": held, "answer_tokens": args.answer_tokens, "tokens_per_step": args.tokens_per_step, "loss": format!("KL(teacher || student) over the draft vocabulary + {} x CE(greedy token)", args.ce_weight),
-                "exit_layers_trained_together": layers, "generation_seconds": generation_seconds, "total_seconds": seconds,
+                "exit_layers_trained_together": layers, "generation_seconds": generation_seconds, "train_tokens_per_second": train_tokens_per_second, "total_seconds": seconds,
             }),
             metrics: serde_json::json!({ "before": before, "after": after, "history": history }),
         };
         save_layer_head(&out, &head, &meta, true)?;
         println!(
             "{}",
-            serde_json::json!({ "out": out.display().to_string(), "exit_layer": meta.exit_layer, "before": before, "after": after, "seconds": started.elapsed().as_secs_f64() })
+            serde_json::json!({ "out": out.display().to_string(), "exit_layer": meta.exit_layer, "before": before, "after": after, "seconds": started.elapsed().as_secs_f64(), "train_tokens_per_second": train_tokens_per_second })
         );
     }
     Ok(())

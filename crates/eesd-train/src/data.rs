@@ -1,4 +1,5 @@
-//! Self-generated training data: the frozen model's own greedy answers to training prompts.
+//! Self-generated training data: the frozen model's own answers to training prompts, greedy
+//! or sampled.
 //!
 //! Decoding is memory-bound, so answers are generated for several prompts at once
 //! ([`Llama::decode_batch`]): each step streams the weights once for every active sequence.
@@ -6,7 +7,7 @@
 //! does not hold the others back.
 
 use burn::tensor::Tensor;
-use eesd_core::sampling::argmax;
+use eesd_core::sampling::{Sampler, SamplingParams};
 use eesd_models::{KvCache, Llama};
 
 use crate::distill::Sequence;
@@ -21,6 +22,39 @@ pub struct AnswerConfig {
     pub stop_tokens: Vec<u32>,
     /// Sequences decoded together (1 = one at a time).
     pub batch: usize,
+    /// How each answer token is chosen: greedy (the default) or sampled, e.g. at temperature
+    /// 0.8 for a second, more varied copy of the data.
+    pub sampling: SamplingParams,
+}
+
+impl Default for AnswerConfig {
+    fn default() -> Self {
+        AnswerConfig {
+            max_new_tokens: 128,
+            stop_tokens: Vec::new(),
+            batch: 8,
+            sampling: SamplingParams::greedy(),
+        }
+    }
+}
+
+/// A prompt to answer: its token ids and the seed of its own random draws (used only when
+/// sampling). Each prompt draws from its own seeded source, so a sampled answer depends on the
+/// prompt and its seed alone, not on which prompts share its batch or on the order they finish:
+/// a resumed run that answers the missing prompts gets the answers a full run would have.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AnswerPrompt {
+    /// Prompt token ids (chat template applied).
+    pub tokens: Vec<u32>,
+    /// Seed of this prompt's sampled answer.
+    pub seed: u64,
+}
+
+impl From<Vec<u32>> for AnswerPrompt {
+    /// A prompt with seed 0 (all a greedy answer needs).
+    fn from(tokens: Vec<u32>) -> Self {
+        AnswerPrompt { tokens, seed: 0 }
+    }
 }
 
 /// One sequence being answered.
@@ -29,14 +63,16 @@ struct Slot {
     tokens: Vec<u32>,
     prompt_len: usize,
     cache: KvCache,
+    sampler: Sampler,
 }
 
-/// Answers every prompt greedily with the frozen `model` and hands each finished [`Sequence`]
-/// (prompt + answer) to `on_sequence` with the prompt's index in `prompts`, in completion order. Prompts must be non-empty and
-/// leave room for the answer inside the model's context.
-pub fn generate_answers(
+/// Answers every prompt with the frozen `model` (greedy, or sampled under `config.sampling`
+/// with each prompt's own seed) and hands each finished [`Sequence`] (prompt + answer) to
+/// `on_sequence` with the prompt's index in `prompts`, in completion order. Prompts must be
+/// non-empty and leave room for the answer inside the model's context.
+pub fn generate_answers<P: Into<AnswerPrompt>>(
     model: &Llama,
-    prompts: impl IntoIterator<Item = Vec<u32>>,
+    prompts: impl IntoIterator<Item = P>,
     config: &AnswerConfig,
     mut on_sequence: impl FnMut(usize, Sequence) -> Result<()>,
 ) -> Result<()> {
@@ -45,6 +81,10 @@ pub fn generate_answers(
             "answer generation needs batch ≥ 1 and max_new_tokens ≥ 1".into(),
         ));
     }
+    config
+        .sampling
+        .validate()
+        .map_err(|e| TrainError::InvalidConfig(e.to_string()))?;
     let context = model.config().context_length;
     let mut prompts = prompts.into_iter().enumerate();
     let mut slots: Vec<Slot> = Vec::with_capacity(config.batch);
@@ -54,6 +94,10 @@ pub fn generate_answers(
             let Some((index, prompt)) = prompts.next() else {
                 break;
             };
+            let AnswerPrompt {
+                tokens: prompt,
+                seed,
+            } = prompt.into();
             if prompt.is_empty() || prompt.len() + config.max_new_tokens > context {
                 return Err(TrainError::InvalidConfig(format!(
                     "a prompt of {} tokens plus {} answer tokens does not fit the context of {context}",
@@ -68,8 +112,11 @@ pub fn generate_answers(
                 prompt_len: prompt.len(),
                 tokens: prompt,
                 cache,
+                sampler: Sampler::new(seed),
             };
-            slot.tokens.push(greedy(logits.unsqueeze_dim(0))?[0]);
+            let row = host_rows(logits.unsqueeze_dim(0))?;
+            let first = slot.sampler.sample(&row[0], &config.sampling);
+            slot.tokens.push(first);
             if finished(&slot, config) {
                 on_sequence(slot.index, into_sequence(slot))?;
             } else {
@@ -85,11 +132,11 @@ pub fn generate_answers(
             .iter_mut()
             .map(|s| std::mem::replace(&mut s.cache, KvCache::new(0)))
             .collect();
-        let logits = model.decode_batch(&last, &mut caches)?;
-        let next = greedy(logits)?;
+        let logits = host_rows(model.decode_batch(&last, &mut caches)?)?;
         let mut kept = Vec::with_capacity(slots.len());
-        for ((mut slot, cache), token) in slots.into_iter().zip(caches).zip(next) {
+        for ((mut slot, cache), row) in slots.into_iter().zip(caches).zip(&logits) {
             slot.cache = cache;
+            let token = slot.sampler.sample(row, &config.sampling);
             slot.tokens.push(token);
             if finished(&slot, config) {
                 on_sequence(slot.index, into_sequence(slot))?;
@@ -117,13 +164,14 @@ fn into_sequence(slot: Slot) -> Sequence {
 }
 
 /// Argmax of each row of `logits: [b, vocab]`.
-fn greedy(logits: Tensor<2>) -> Result<Vec<u32>> {
+/// The rows of a `[rows, vocab]` logits tensor on the host.
+fn host_rows(logits: Tensor<2>) -> Result<Vec<Vec<f32>>> {
     let [_, vocab] = logits.dims();
     let values = logits
         .into_data()
         .try_into_vec::<f32>()
         .map_err(|e| TrainError::TensorData(format!("{e:?}")))?;
-    Ok(values.chunks(vocab).map(|row| argmax(row) as u32).collect())
+    Ok(values.chunks(vocab.max(1)).map(<[f32]>::to_vec).collect())
 }
 
 /// Reads a JSON-lines file that a killed run may have left with a torn last line (lines are

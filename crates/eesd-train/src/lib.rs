@@ -2,7 +2,8 @@
 //!
 //! - head checkpoints (saving and loading) live in [`eesd_models::checkpoint`], so inference
 //!   builds load heads without this crate; they are re-exported here.
-//! - [`data`]: the frozen model's own greedy answers to training prompts, many decoded at once.
+//! - [`data`]: the frozen model's own answers to training prompts (greedy or sampled), many
+//!   decoded at once.
 //! - [`distill`]: the training loop (KL to the frozen model, AdamW, warm-up + cosine) and
 //!   held-out evaluation (top-1 agreement, expected accepted tokens per round); whole sequences
 //!   are packed into one block per step ([`distill::pack`]); one [`Teacher`] pass over a block
@@ -17,7 +18,7 @@ pub mod error;
 pub mod fuzz;
 pub mod state;
 
-pub use data::{AnswerConfig, generate_answers, recover_jsonl};
+pub use data::{AnswerConfig, AnswerPrompt, generate_answers, recover_jsonl};
 pub use distill::{DistillConfig, Distiller, EvalMetrics, Sequence, Teacher, pack};
 pub use eesd_models::checkpoint::{
     self, HeadMetadata, file_sha256, load_layer_head, read_metadata, save_layer_head,

@@ -4,6 +4,7 @@ use std::ops::ControlFlow;
 
 use burn::tensor::Tensor;
 use eesd_bandit::Policy;
+use eesd_core::sampling::SamplingParams;
 use eesd_core::{Backend, DraftHead, GenerationConfig, Generator, LookaheadHead, Mode};
 use eesd_models::testing::{tiny_config, tiny_gguf_bytes, values};
 use eesd_models::{
@@ -11,8 +12,8 @@ use eesd_models::{
 };
 use eesd_train::checkpoint::FORMAT_VERSION;
 use eesd_train::{
-    AnswerConfig, DistillConfig, Distiller, HeadMetadata, Sequence, Teacher, TrainError,
-    generate_answers, load_layer_head, pack, save_layer_head, state_path,
+    AnswerConfig, AnswerPrompt, DistillConfig, Distiller, HeadMetadata, Sequence, Teacher,
+    TrainError, generate_answers, load_layer_head, pack, save_layer_head, state_path,
 };
 
 fn tiny(seed: u64) -> Llama {
@@ -31,12 +32,26 @@ fn tiny_with(config: &eesd_models::LlamaConfig, seed: u64) -> Llama {
 
 /// Sequences the model writes itself (greedy), from varied short prompts.
 fn self_generated(model: &Llama, n: usize, len: usize) -> Vec<Sequence> {
+    self_sampled(model, n, len, SamplingParams::greedy(), |_| 0)
+}
+
+/// Sequences the model writes itself by plain AR decoding under `sampling`, prompt `i` with
+/// seed `seed(i)`.
+fn self_sampled(
+    model: &Llama,
+    n: usize,
+    len: usize,
+    sampling: SamplingParams,
+    seed: impl Fn(u32) -> u64,
+) -> Vec<Sequence> {
     let mut g = Generator::new(model);
     (0..n as u32)
         .map(|i| {
             let prompt = vec![257, 65 + i % 26, 97 + (i * 7) % 26, 48 + i % 10];
             let config = GenerationConfig {
                 max_new_tokens: len,
+                sampling,
+                seed: seed(i),
                 ..Default::default()
             };
             let out = g
@@ -330,8 +345,8 @@ fn batched_answer_generation_equals_one_at_a_time_generation() {
     for batch in [1, 3, 16] {
         let config = AnswerConfig {
             max_new_tokens: 12,
-            stop_tokens: vec![],
             batch,
+            ..Default::default()
         };
         let mut got = vec![None; prompts.len()];
         generate_answers(&model, prompts.clone(), &config, |i, seq| {
@@ -348,6 +363,7 @@ fn batched_answer_generation_equals_one_at_a_time_generation() {
         max_new_tokens: 12,
         stop_tokens: vec![stop],
         batch: 2,
+        ..Default::default()
     };
     generate_answers(&model, prompts[..1].to_vec(), &config, |_, seq| {
         assert_eq!(seq.tokens.last(), Some(&stop));
@@ -356,6 +372,61 @@ fn batched_answer_generation_equals_one_at_a_time_generation() {
     })
     .unwrap();
     let bad = AnswerConfig { batch: 0, ..config };
+    assert!(matches!(
+        generate_answers(&model, prompts, &bad, |_, _| Ok(())),
+        Err(TrainError::InvalidConfig(_))
+    ));
+}
+
+/// Sampled answers are the model's own AR samples: each prompt draws from its own seed, so
+/// the answers do not depend on which prompts are decoded together.
+#[test]
+fn sampled_answers_are_ar_samples_whatever_the_batch() {
+    let model = tiny(6);
+    let sampling = SamplingParams {
+        temperature: 4.0,
+        top_k: 0,
+        top_p: 1.0,
+    };
+    let seed = |i: u32| 1000 + 17 * i as u64;
+    let expected = self_sampled(&model, 7, 12, sampling, seed);
+    assert_ne!(
+        expected,
+        self_generated(&model, 7, 12),
+        "sampling at a high temperature leaves the greedy answers somewhere"
+    );
+    let prompts: Vec<AnswerPrompt> = expected
+        .iter()
+        .zip(0u32..)
+        .map(|(s, i)| AnswerPrompt {
+            tokens: s.tokens[..s.prompt_len].to_vec(),
+            seed: seed(i),
+        })
+        .collect();
+    for batch in [1, 3, 16] {
+        let config = AnswerConfig {
+            max_new_tokens: 12,
+            batch,
+            sampling,
+            ..Default::default()
+        };
+        let mut got = vec![None; prompts.len()];
+        generate_answers(&model, prompts.clone(), &config, |i, seq| {
+            got[i] = Some(seq);
+            Ok(())
+        })
+        .unwrap();
+        let got: Vec<Sequence> = got.into_iter().map(Option::unwrap).collect();
+        assert_eq!(got, expected, "batch {batch}");
+    }
+    // A bad temperature is an error before any work.
+    let bad = AnswerConfig {
+        sampling: SamplingParams {
+            temperature: -1.0,
+            ..sampling
+        },
+        ..Default::default()
+    };
     assert!(matches!(
         generate_answers(&model, prompts, &bad, |_, _| Ok(())),
         Err(TrainError::InvalidConfig(_))
