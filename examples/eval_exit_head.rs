@@ -15,6 +15,8 @@
 
 #[path = "common/bench_model.rs"]
 mod bench_model;
+#[path = "common/heads.rs"]
+mod heads;
 #[path = "common/plots.rs"]
 mod plots;
 #[path = "common/questions.rs"]
@@ -22,11 +24,10 @@ mod questions;
 
 use std::collections::BTreeMap;
 use std::ops::ControlFlow;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use eesd::SHIPPED_HEAD;
 use eesd::core::head_eval::{Agreement, teacher_forced_ranks};
 use eesd::core::{GenerationConfig, Generator};
 use eesd::models::{AnyHead, HeadMetadata, LoadedModel, NormHead, load_layer_head};
@@ -79,12 +80,7 @@ fn parse_head(spec: &str, lm: &LoadedModel, sha: &str) -> Result<Candidate> {
             meta: None,
         });
     }
-    let prefix = if spec == "shipped" {
-        SHIPPED_HEAD
-    } else {
-        spec
-    };
-    let (head, meta) = load_layer_head(Path::new(prefix), &lm.model, Some(sha))
+    let (head, meta) = load_layer_head(heads::chain(spec), &lm.model, Some(sha))
         .with_context(|| format!("head `{spec}`"))?;
     Ok(Candidate {
         name: spec.into(),

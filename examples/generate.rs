@@ -19,6 +19,9 @@ use eesd::core::Drafter;
 use eesd::core::drafters::{DrafterSpec, DrafterState, HeadDrafter};
 use eesd::core::{Backend, GenerationConfig, GenerationOutput, Generator, Mode, SamplingParams};
 use eesd::models::{AnyHead, LoadOptions, LoadedModel, NormHead, TextStream, WeightDType, fetch};
+
+#[path = "common/heads.rs"]
+mod heads;
 use eesd::models::{
     file_sha256, load_layer_head, load_lookahead_head, read_metadata, write_atomically,
 };
@@ -171,12 +174,13 @@ fn main() -> Result<()> {
             Some(args.exit_layer.unwrap_or(8)),
         )
     } else {
-        let prefix = match args.head.as_str() {
-            "shipped" => eesd::SHIPPED_HEAD,
-            other => other,
-        };
-        let (head, _) = load_layer_head(std::path::Path::new(prefix), &lm.model, Some(&sha))
-            .with_context(|| format!("loading head {prefix} (`--head norm` needs no file)"))?;
+        let prefix = heads::chain(&args.head);
+        let (head, _) = load_layer_head(prefix, &lm.model, Some(&sha)).with_context(|| {
+            format!(
+                "loading head {} (`--head norm` needs no file)",
+                prefix.display()
+            )
+        })?;
         (AnyHead::Layer(Box::new(head)), args.exit_layer)
     };
     let policy = Policy::parse(&args.policy, args.seed)?;
@@ -191,15 +195,14 @@ fn main() -> Result<()> {
     let mut eesd = Generator::new(&lm.model)
         .with_head(&head)
         .with_policy(policy);
-    let shipped = Path::new(eesd::SHIPPED_LOOKAHEAD_HEAD);
+    let shipped = heads::lookahead("shipped");
     let tree_head_prefix = match args.tree_head.as_str() {
         _ if !wants_tree_head => None,
         // The shipped head only where it was trained for this very model file.
         "auto" => read_metadata(shipped)
             .is_ok_and(|m| m.base_model_sha256 == sha)
             .then_some(shipped),
-        "shipped" => Some(shipped),
-        prefix => Some(Path::new(prefix)),
+        name => Some(heads::lookahead(name)),
     };
     let tree_head = match tree_head_prefix {
         Some(prefix) => Some(

@@ -18,6 +18,8 @@
 
 #[path = "../common/bench_model.rs"]
 mod bench_model;
+#[path = "../common/heads.rs"]
+mod heads;
 mod oracle;
 #[path = "../common/plots.rs"]
 mod plots;
@@ -33,7 +35,6 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use eesd::SHIPPED_HEAD;
 use eesd::bandit::Policy;
 use eesd::core::drafters::{DrafterSpec, HeadDrafter};
 use eesd::core::{GenerationConfig, GenerationOutput, Generator, Mode};
@@ -117,11 +118,7 @@ fn parse_method(spec: &str, seed: u64, lm: &LoadedModel, model_sha: &str) -> Res
     if let Some((drafter, head)) = spec.split_once('+')
         && let Ok(drafter) = drafter.parse::<DrafterSpec>()
     {
-        let path = match head {
-            "shipped" => eesd::SHIPPED_LOOKAHEAD_HEAD,
-            other => other,
-        };
-        let (head, _) = load_lookahead_head(Path::new(path), &lm.model, Some(model_sha))
+        let (head, _) = load_lookahead_head(heads::lookahead(head), &lm.model, Some(model_sha))
             .with_context(|| {
                 format!("head `{head}` of method `{spec}` (chain heads: HEAD/POLICY)")
             })?;
@@ -160,12 +157,7 @@ fn parse_method(spec: &str, seed: u64, lm: &LoadedModel, model_sha: &str) -> Res
         let layer = layer.context("the norm head needs an exit layer: norm@LAYER/POLICY")?;
         (AnyHead::Norm(NormHead::new()), layer)
     } else {
-        let path = if head == "shipped" {
-            SHIPPED_HEAD
-        } else {
-            head
-        };
-        let (h, meta) = load_layer_head(std::path::Path::new(path), &lm.model, Some(model_sha))
+        let (h, meta) = load_layer_head(heads::chain(head), &lm.model, Some(model_sha))
             .with_context(|| format!("head `{head}` of method `{spec}`"))?;
         if layer.is_some_and(|l| l != meta.exit_layer) {
             bail!(
