@@ -25,8 +25,8 @@ use eesd::core::{Backend, DraftHead, SamplingParams};
 use eesd::models::{HeadKind, LayerHead, Llama, LoadOptions, LoadedModel, VocabSubset, fetch};
 use eesd::train::checkpoint::FORMAT_VERSION;
 use eesd::train::{
-    AnswerConfig, AnswerPrompt, DistillConfig, Distiller, EvalMetrics, HeadMetadata, Sequence,
-    Teacher, TrainError, file_sha256, generate_answers, pack, recover_jsonl, save_layer_head,
+    AnswerConfig, AnswerPrompt, DistillConfig, Distiller, EvalMetrics, HeadMetadata, LineIndex,
+    Sequence, Teacher, TrainError, file_sha256, generate_answers, pack, save_layer_head,
     state_path,
 };
 use indicatif::{ProgressBar, ProgressStyle};
@@ -146,6 +146,16 @@ struct Record {
     sequence: Sequence,
 }
 
+/// What training keeps in memory of a line of the data file.
+struct Key {
+    prompt: usize,
+    sample: usize,
+    /// Tokens of the sequence.
+    len: usize,
+    /// Within `--num-prompts` and `--sampled` (lines beyond them are kept in the file, unused).
+    used: bool,
+}
+
 /// The seed of sampled answer `sample` to prompt `prompt`: a stream of its own.
 fn answer_seed(seed: u64, prompt: usize, sample: usize) -> u64 {
     let key = ((prompt as u64) << 16) ^ sample as u64;
@@ -178,7 +188,11 @@ fn main() -> Result<()> {
     // Lines are written as answers finish (batched generation finishes out of order), each
     // tagged with its prompt, so a resumed run answers exactly the missing prompts.
     // A run killed mid-line leaves a torn last line: it is cut off and that prompt answered again.
-    let mut records: Vec<Record> = recover_jsonl(&data_path)?;
+    let done: std::collections::HashSet<(usize, usize)> =
+        LineIndex::recover(&data_path, |r: &Record| (r.prompt, r.sample))?
+            .keys()
+            .copied()
+            .collect();
     let prompts = prompts::load(&args.prompts, args.num_prompts)?;
     let wanted = prompts.len();
     let sampling = SamplingParams {
@@ -189,8 +203,6 @@ fn main() -> Result<()> {
     if args.sampled > 0 {
         sampling.validate()?;
     }
-    let done: std::collections::HashSet<(usize, usize)> =
-        records.iter().map(|r| (r.prompt, r.sample)).collect();
     // Greedy answers first, then each round of samples.
     let missing: Vec<(usize, usize)> = (0..=args.sampled)
         .flat_map(|s| (0..wanted).map(move |i| (i, s)))
@@ -255,23 +267,54 @@ fn main() -> Result<()> {
                         path: data_path.clone(),
                         source,
                     })?;
-                records.push(record);
                 bar.inc(1);
                 Ok(())
             })?;
         }
         bar.finish();
     }
-    records.retain(|r| r.prompt < wanted && r.sample <= args.sampled);
-    records.sort_by_key(|r| (r.prompt, r.sample));
     let generation_seconds = started.elapsed().as_secs_f64();
+    if answer_tokens > 0 {
+        eprintln!(
+            "generated {answer_tokens} answer tokens in {generation_seconds:.0} s ({:.0} tokens/s)",
+            answer_tokens as f64 / generation_seconds
+        );
+    }
 
-    // (2) Draft vocabulary: the most frequent tokens of the data, EOS always included.
-    let mut counts = vec![0u64; m.config().vocab_size];
-    records
-        .iter()
-        .flat_map(|r| &r.sequence.tokens)
-        .for_each(|&t| counts[t as usize] += 1);
+    // (2) The data, read once, streaming: each line's key and length stay in memory (training
+    // reads a step's sequences back from the file), and the tokens are counted for the draft
+    // vocabulary: the most frequent tokens of the data, EOS always included.
+    let vocab = m.config().vocab_size;
+    let mut counts = vec![0u64; vocab];
+    let mut out_of_range = None;
+    let index = LineIndex::recover(&data_path, |r: &Record| {
+        let used = r.prompt < wanted && r.sample <= args.sampled;
+        for &t in r.sequence.tokens.iter().filter(|_| used) {
+            match counts.get_mut(t as usize) {
+                Some(c) => *c += 1,
+                None => out_of_range = Some(t),
+            }
+        }
+        Key {
+            prompt: r.prompt,
+            sample: r.sample,
+            len: r.sequence.tokens.len(),
+            used,
+        }
+    })?;
+    if let Some(t) = out_of_range {
+        bail!(
+            "{} holds token {t}, outside the model's vocabulary of {vocab}",
+            data_path.display()
+        );
+    }
+    // Lines by (prompt, sample), the first of any repeated answer.
+    let mut lines: Vec<usize> = (0..index.len())
+        .filter(|&i| index.key(i).is_some_and(|k| k.used))
+        .collect();
+    let key_of = |i: usize| index.key(i).map(|k| (k.prompt, k.sample));
+    lines.sort_by_key(|&i| (key_of(i), i));
+    lines.dedup_by_key(|i| key_of(*i));
     let eos: Vec<u32> = lm.tokenizer.eos_token_id().into_iter().collect();
     let subset = (args.vocab > 0)
         .then(|| VocabSubset::most_frequent(&counts, args.vocab, &eos))
@@ -288,14 +331,14 @@ fn main() -> Result<()> {
     // (3) Train, holding the first `--held-out` prompts out: their greedy answers are the
     // evaluation set, and none of their answers (sampled ones included) is trained on.
     let held = args.held_out.clamp(1, wanted.saturating_sub(1).max(1));
-    let (held_records, train_records): (Vec<Record>, Vec<Record>) =
-        records.into_iter().partition(|r| r.prompt < held);
-    let held_out: Vec<Sequence> = held_records
+    let (held_lines, train): (Vec<usize>, Vec<usize>) = lines
         .into_iter()
-        .filter(|r| r.sample == 0)
-        .map(|r| r.sequence)
-        .collect();
-    let train: Vec<Sequence> = train_records.into_iter().map(|r| r.sequence).collect();
+        .partition(|&i| index.key(i).is_some_and(|k| k.prompt < held));
+    let held_out = held_lines
+        .into_iter()
+        .filter(|&i| index.key(i).is_some_and(|k| k.sample == 0))
+        .map(|i| Ok(index.read::<Record>(i)?.sequence))
+        .collect::<Result<Vec<Sequence>>>()?;
     if held_out.is_empty() || train.is_empty() {
         bail!(
             "{} held-out and {} training sequences: answer more prompts",
@@ -303,7 +346,7 @@ fn main() -> Result<()> {
             train.len()
         );
     }
-    let (held_out, train) = (held_out.as_slice(), train.as_slice());
+    let held_out = held_out.as_slice();
     let config = DistillConfig {
         learning_rate: args.lr,
         ce_weight: args.ce_weight,
@@ -311,7 +354,10 @@ fn main() -> Result<()> {
         total_steps: args.steps,
         ..Default::default()
     };
-    let lengths: Vec<usize> = train.iter().map(|s| s.tokens.len()).collect();
+    let lengths: Vec<usize> = train
+        .iter()
+        .map(|&i| index.key(i).map_or(0, |k| k.len))
+        .collect();
     let batches = pack(&lengths, args.tokens_per_step);
     // Training tokens seen after `step` steps (batches repeat in order, so this is exact for a
     // resumed run too): the x axis of `eval_exit_head --svg`.
@@ -365,10 +411,11 @@ fn main() -> Result<()> {
         .min()
     {
         bar.set_position(step as u64);
-        let batch: Vec<&[u32]> = batches[step % batches.len()]
+        let sequences = batches[step % batches.len()]
             .iter()
-            .map(|&i| train[i].tokens.as_slice())
-            .collect();
+            .map(|&i| Ok(index.read::<Record>(train[i])?.sequence))
+            .collect::<Result<Vec<Sequence>>>()?;
+        let batch: Vec<&[u32]> = sequences.iter().map(|s| s.tokens.as_slice()).collect();
         let due: Vec<usize> = runs
             .iter()
             .filter(|r| r.distiller.step() == step && step < r.total())

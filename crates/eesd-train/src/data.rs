@@ -163,7 +163,6 @@ fn into_sequence(slot: Slot) -> Sequence {
     }
 }
 
-/// Argmax of each row of `logits: [b, vocab]`.
 /// The rows of a `[rows, vocab]` logits tensor on the host.
 fn host_rows(logits: Tensor<2>) -> Result<Vec<Vec<f32>>> {
     let [_, vocab] = logits.dims();
@@ -172,39 +171,4 @@ fn host_rows(logits: Tensor<2>) -> Result<Vec<Vec<f32>>> {
         .try_into_vec::<f32>()
         .map_err(|e| TrainError::TensorData(format!("{e:?}")))?;
     Ok(values.chunks(vocab.max(1)).map(<[f32]>::to_vec).collect())
-}
-
-/// Reads a JSON-lines file that a killed run may have left with a torn last line (lines are
-/// appended as answers finish): the complete lines are parsed and returned, and a trailing
-/// partial line is cut off the file, so that appending continues from a clean end. A missing
-/// file is an empty log.
-pub fn recover_jsonl<T: serde::de::DeserializeOwned>(path: &std::path::Path) -> Result<Vec<T>> {
-    let bytes = match std::fs::read(path) {
-        Ok(bytes) => bytes,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(TrainError::io(path, e)),
-    };
-    let complete = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
-    if complete < bytes.len() {
-        let file = std::fs::OpenOptions::new()
-            .write(true)
-            .open(path)
-            .map_err(|e| TrainError::io(path, e))?;
-        file.set_len(complete as u64)
-            .map_err(|e| TrainError::io(path, e))?;
-    }
-    let text = std::str::from_utf8(&bytes[..complete]).map_err(|e| TrainError::Malformed {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    })?;
-    text.lines()
-        .enumerate()
-        .filter(|(_, line)| !line.trim().is_empty())
-        .map(|(i, line)| {
-            serde_json::from_str(line).map_err(|e| TrainError::Malformed {
-                path: path.to_path_buf(),
-                reason: format!("line {}: {e}", i + 1),
-            })
-        })
-        .collect()
 }

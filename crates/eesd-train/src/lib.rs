@@ -8,6 +8,7 @@
 //!   held-out evaluation (top-1 agreement, expected accepted tokens per round); whole sequences
 //!   are packed into one block per step ([`distill::pack`]); one [`Teacher`] pass over a block
 //!   serves heads at several exit layers ([`Distiller::train_step_on`]).
+//! - [`jsonl`]: the append-only answer logs, cut clean after a kill and read a line at a time.
 //! - [`state`]: resumable training (head weights, optimizer moments, step).
 
 #![warn(missing_docs)]
@@ -16,12 +17,14 @@ pub mod data;
 pub mod distill;
 pub mod error;
 pub mod fuzz;
+pub mod jsonl;
 pub mod state;
 
-pub use data::{AnswerConfig, AnswerPrompt, generate_answers, recover_jsonl};
+pub use data::{AnswerConfig, AnswerPrompt, generate_answers};
 pub use distill::{DistillConfig, Distiller, EvalMetrics, Sequence, Teacher, pack};
 pub use eesd_models::checkpoint::{
     self, HeadMetadata, file_sha256, load_layer_head, read_metadata, save_layer_head,
 };
 pub use error::{Result, TrainError};
+pub use jsonl::{LineIndex, recover_jsonl};
 pub use state::{TrainingState, read_state, state_path};
