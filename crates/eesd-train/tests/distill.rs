@@ -342,21 +342,8 @@ fn batched_answer_generation_equals_one_at_a_time_generation() {
         .iter()
         .map(|s| s.tokens[..s.prompt_len].to_vec())
         .collect();
-    for batch in [1, 3, 16] {
-        let config = AnswerConfig {
-            max_new_tokens: 12,
-            batch,
-            ..Default::default()
-        };
-        let mut got = vec![None; prompts.len()];
-        generate_answers(&model, prompts.clone(), &config, |i, seq| {
-            got[i] = Some(seq);
-            Ok(())
-        })
-        .unwrap();
-        let got: Vec<Sequence> = got.into_iter().map(Option::unwrap).collect();
-        assert_eq!(got, expected, "batch {batch}");
-    }
+    let greedy: Vec<AnswerPrompt> = prompts.iter().cloned().map(Into::into).collect();
+    answers_at_every_batch(&model, &greedy, SamplingParams::greedy(), &expected);
     // A stop token ends an answer early, and bad settings are errors.
     let stop = expected[0].tokens[expected[0].prompt_len + 2];
     let config = AnswerConfig {
@@ -376,6 +363,31 @@ fn batched_answer_generation_equals_one_at_a_time_generation() {
         generate_answers(&model, prompts, &bad, |_, _| Ok(())),
         Err(TrainError::InvalidConfig(_))
     ));
+}
+
+/// `generate_answers` on `prompts` (12 tokens each) in batches of 1, 3 and 16 gives `expected`.
+fn answers_at_every_batch(
+    model: &Llama,
+    prompts: &[AnswerPrompt],
+    sampling: SamplingParams,
+    expected: &[Sequence],
+) {
+    for batch in [1, 3, 16] {
+        let config = AnswerConfig {
+            max_new_tokens: 12,
+            batch,
+            sampling,
+            ..Default::default()
+        };
+        let mut got = vec![None; prompts.len()];
+        generate_answers(model, prompts.to_vec(), &config, |i, seq| {
+            got[i] = Some(seq);
+            Ok(())
+        })
+        .unwrap();
+        let got: Vec<Sequence> = got.into_iter().map(Option::unwrap).collect();
+        assert_eq!(got, expected, "batch {batch}");
+    }
 }
 
 /// Sampled answers are the model's own AR samples: each prompt draws from its own seed, so
@@ -403,22 +415,7 @@ fn sampled_answers_are_ar_samples_whatever_the_batch() {
             seed: seed(i),
         })
         .collect();
-    for batch in [1, 3, 16] {
-        let config = AnswerConfig {
-            max_new_tokens: 12,
-            batch,
-            sampling,
-            ..Default::default()
-        };
-        let mut got = vec![None; prompts.len()];
-        generate_answers(&model, prompts.clone(), &config, |i, seq| {
-            got[i] = Some(seq);
-            Ok(())
-        })
-        .unwrap();
-        let got: Vec<Sequence> = got.into_iter().map(Option::unwrap).collect();
-        assert_eq!(got, expected, "batch {batch}");
-    }
+    answers_at_every_batch(&model, &prompts, sampling, &expected);
     // A bad temperature is an error before any work.
     let bad = AnswerConfig {
         sampling: SamplingParams {
