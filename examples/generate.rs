@@ -22,6 +22,8 @@ use eesd::models::{AnyHead, LoadOptions, LoadedModel, NormHead, TextStream, Weig
 
 #[path = "common/heads.rs"]
 mod heads;
+#[path = "common/ngrams.rs"]
+mod ngrams;
 use eesd::models::{
     file_sha256, load_layer_head, load_lookahead_head, read_metadata, write_atomically,
 };
@@ -61,6 +63,10 @@ struct Args {
     /// exists, written after.
     #[arg(long)]
     drafter_state: Option<PathBuf>,
+    /// Answers (`train_exit_head`'s `OUT.data.jsonl`) whose n-grams adaptive trees (`opt`)
+    /// also draft from.
+    #[arg(long)]
+    ngrams: Option<PathBuf>,
     /// Exit layer N for EESD (default: the trained head's layer, or 8 with `--head norm`).
     #[arg(long)]
     exit_layer: Option<usize>,
@@ -217,9 +223,17 @@ fn main() -> Result<()> {
         ),
         None => None,
     };
+    let store = match &args.ngrams {
+        Some(path) if modes.contains(&Mode::Tree) => Some(ngrams::load(path, vocab)?),
+        _ => None,
+    };
     let mut drafter: Box<dyn Drafter + '_> = match &tree_head {
-        Some(head) => Box::new(HeadDrafter::new(&lm.model, head, args.drafter.build(vocab))),
-        None => args.drafter.build(vocab),
+        Some(head) => Box::new(HeadDrafter::new(
+            &lm.model,
+            head,
+            args.drafter.build_with(vocab, store.as_ref()),
+        )),
+        None => args.drafter.build_with(vocab, store.as_ref()),
     };
     if let Some(path) = &args.drafter_state
         && let Some(state) = read_drafter_state(path, &sha)?

@@ -20,6 +20,8 @@
 mod bench_model;
 #[path = "../common/heads.rs"]
 mod heads;
+#[path = "../common/ngrams.rs"]
+mod ngrams;
 mod oracle;
 #[path = "../common/plots.rs"]
 mod plots;
@@ -63,7 +65,8 @@ struct Args {
     /// probability A); POLICY as `Policy::parse` (fixed:K, threshold:T, beta-ts, calibrated-ts,
     /// cost-ts). Or a tree drafter: `recycle@B`, `lookup@B`, `fused@B[:L]`, `opt@B`,
     /// `opt@B:auto`, `ts:A|B|...` (one of those per round, by Thompson Sampling), with `+HEAD`
-    /// a lookahead head checkpoint whose drafts join its trees (`opt@8+PATH`, `opt@8+shipped`).
+    /// a lookahead head checkpoint whose drafts join its trees (`opt@8+PATH`, `opt@8+shipped`),
+    /// and/or `+ngrams` (adaptive trees add continuations from the `--ngrams` store).
     #[arg(
         long,
         value_delimiter = ',',
@@ -78,6 +81,10 @@ struct Args {
     /// Training prompts for `--warm` (jsonl with a `prompt` field).
     #[arg(long, default_value = "../shared/data/train_prompts.jsonl")]
     warm_prompts: PathBuf,
+    /// Answers (`train_exit_head`'s `OUT.data.jsonl`, never benchmark answers) whose n-grams
+    /// `+ngrams` methods draft from.
+    #[arg(long)]
+    ngrams: Option<PathBuf>,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -100,8 +107,13 @@ enum Kind {
         policy: Policy,
         head: BenchHead,
     },
-    /// Tree speculation with a train-free drafter, and a lookahead head's drafts if given.
-    Tree(DrafterSpec, Option<Box<LayerHead>>),
+    /// Tree speculation with a train-free drafter, a lookahead head's drafts if given, and
+    /// the n-gram store's continuations if `ngrams`.
+    Tree {
+        spec: DrafterSpec,
+        head: Option<Box<LayerHead>>,
+        ngrams: bool,
+    },
 }
 
 /// One generator per method; tree generators carry their drafter (and what it learned).
@@ -113,7 +125,11 @@ enum Runner<'a> {
 /// `HEAD[@LAYER]/POLICY`: HEAD is `norm` (needs `@LAYER`), `shipped` (the head in
 /// `assets/heads`), a checkpoint prefix or `oracle:A[+HEAD]`; a trained head's layer defaults to
 /// its own.
-fn parse_method(spec: &str, seed: u64, lm: &LoadedModel, model_sha: &str) -> Result<Method> {
+fn parse_method(name: &str, seed: u64, lm: &LoadedModel, model_sha: &str) -> Result<Method> {
+    let (spec, ngrams) = match name.strip_suffix("+ngrams") {
+        Some(rest) => (rest, true),
+        None => (name, false),
+    };
     // Tree drafters name no policy, and may add a lookahead head (whose path may hold '/').
     if let Some((drafter, head)) = spec.split_once('+')
         && let Ok(drafter) = drafter.parse::<DrafterSpec>()
@@ -123,15 +139,23 @@ fn parse_method(spec: &str, seed: u64, lm: &LoadedModel, model_sha: &str) -> Res
                 format!("head `{head}` of method `{spec}` (chain heads: HEAD/POLICY)")
             })?;
         return Ok(Method {
-            name: spec.to_string(),
-            kind: Kind::Tree(drafter, Some(Box::new(head))),
+            name: name.to_string(),
+            kind: Kind::Tree {
+                spec: drafter,
+                head: Some(Box::new(head)),
+                ngrams,
+            },
         });
     }
     // Exit-head methods name a policy after a '/'; tree drafters never do.
     if !spec.contains('/') {
         return Ok(Method {
-            name: spec.to_string(),
-            kind: Kind::Tree(spec.parse()?, None),
+            name: name.to_string(),
+            kind: Kind::Tree {
+                spec: spec.parse()?,
+                head: None,
+                ngrams,
+            },
         });
     }
     // The policy follows the last '/' (checkpoint prefixes are paths).
@@ -259,6 +283,14 @@ fn main() -> Result<()> {
         .collect::<Result<_>>()?;
     // One generator per method, alive for the whole run, so learning policies carry over.
     let vocab = lm.model.config().vocab_size;
+    let wants_store = methods
+        .iter()
+        .any(|m| matches!(m.kind, Kind::Tree { ngrams: true, .. }));
+    let store = match (&args.ngrams, wants_store) {
+        (Some(path), true) => Some(ngrams::load(path, vocab)?),
+        (None, true) => bail!("`+ngrams` methods need --ngrams ANSWERS.jsonl"),
+        (_, false) => None,
+    };
     let mut generators: Vec<Runner<'_>> = methods
         .iter()
         .map(|m| match &m.kind {
@@ -267,12 +299,17 @@ fn main() -> Result<()> {
                     .with_head(head)
                     .with_policy(policy.clone()),
             ),
-            Kind::Tree(spec, None) => {
-                Runner::Tree(Generator::new(&lm.model).with_drafter(spec.build(vocab)))
+            Kind::Tree { spec, head, ngrams } => {
+                let drafter = spec.build_with(vocab, store.as_ref().filter(|_| *ngrams));
+                Runner::Tree(match head {
+                    None => Generator::new(&lm.model).with_drafter(drafter),
+                    Some(head) => Generator::new(&lm.model).with_drafter(HeadDrafter::new(
+                        &lm.model,
+                        head.as_ref(),
+                        drafter,
+                    )),
+                })
             }
-            Kind::Tree(spec, Some(head)) => Runner::Tree(Generator::new(&lm.model).with_drafter(
-                HeadDrafter::new(&lm.model, head.as_ref(), spec.build(vocab)),
-            )),
         })
         .collect();
     let mut ar_gen = Generator::new(&lm.model);
@@ -289,7 +326,7 @@ fn main() -> Result<()> {
                 ..Default::default()
             };
             for (m, g) in methods.iter().zip(generators.iter_mut()) {
-                if let (Kind::Tree(spec, _), Runner::Tree(g)) = (&m.kind, g) {
+                if let (Kind::Tree { spec, .. }, Runner::Tree(g)) = (&m.kind, g) {
                     let config = GenerationConfig {
                         tree_budget: spec.budget,
                         ..config.clone()
@@ -339,7 +376,7 @@ fn main() -> Result<()> {
                     head.set_target(&prompt, &ar.tokens);
                     g.generate(&prompt, &config, go)?
                 }
-                (Kind::Tree(spec, _), Runner::Tree(g)) => {
+                (Kind::Tree { spec, .. }, Runner::Tree(g)) => {
                     let config = GenerationConfig {
                         mode: Mode::Tree,
                         tree_budget: spec.budget,

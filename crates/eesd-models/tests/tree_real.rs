@@ -1,5 +1,6 @@
 //! Lossless tree speculation on the real model: greedy output with every drafter (Token
-//! Recycling, context lookup, their fusion at several node budgets, and the adaptive tree) is token-identical to
+//! Recycling, context lookup, their fusion at several node budgets, and the adaptive tree, also
+//! with an n-gram store) is token-identical to
 //! greedy AR on SmolLM2-135M, for the golden prompts and 20 Spec-Bench questions ×
 //! `identity_tokens()` new tokens (64; more with `EESD_IDENTITY_TOKENS`).
 //! Each drafter lives in one generator for the whole test, so Token Recycling's matrix carries
@@ -10,7 +11,7 @@ mod common;
 use std::ops::ControlFlow;
 
 use common::*;
-use eesd_core::drafters::{DrafterSpec, HeadDrafter};
+use eesd_core::drafters::{DrafterSpec, HeadDrafter, NgramStore};
 use eesd_core::{GenerationConfig, GenerationOutput, Generator, Mode};
 use eesd_models::{HeadKind, LayerHead, Llama};
 
@@ -141,6 +142,48 @@ fn greedy_trees_with_a_lookahead_head_are_token_identical_to_ar() {
                 eesd_core::LookaheadHead::feature_layer(head)
             );
         }
+    }
+}
+
+/// Adaptive trees with an n-gram store: the store holds AR's own answers to four questions (its
+/// candidates are right for long stretches there) and none of the fifth; either way greedy
+/// output stays token-identical to AR, and the stored answers are drafted from.
+#[test]
+fn greedy_trees_with_an_ngram_store_are_token_identical_to_ar() {
+    let m = model();
+    let vocab = m.model.config().vocab_size;
+    let mut ar_gen = Generator::new(&m.model);
+    let base = greedy_config(identity_tokens());
+    let questions = spec_bench(5);
+    let prompts: Vec<Vec<u32>> = questions
+        .iter()
+        .map(|q| m.chat_prompt(&q.turns[0]).unwrap())
+        .collect();
+    let ar: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| run(&mut ar_gen, p, &base).tokens)
+        .collect();
+    // Twice: the store keeps continuations seen at least twice.
+    let store = std::sync::Arc::new(NgramStore::from_sequences(
+        ar[..4].iter().chain(&ar[..4]).map(Vec::as_slice),
+    ));
+    store.check_vocab(vocab).unwrap();
+    for spec in ["opt@8", "opt@16:auto"] {
+        let drafter = spec
+            .parse::<DrafterSpec>()
+            .unwrap()
+            .build_with(vocab, Some(&store));
+        let mut g = Generator::new(&m.model).with_drafter(drafter);
+        let mut accepted = 0;
+        for ((q, prompt), want) in questions.iter().zip(&prompts).zip(&ar) {
+            let out = run(&mut g, prompt, &tree_config(&base, spec));
+            assert_eq!(&out.tokens, want, "question {}, {spec}", q.question_id);
+            accepted += out.stats.accepted;
+        }
+        assert!(
+            accepted > 2 * identity_tokens(),
+            "{spec} with the store accepted only {accepted} drafts"
+        );
     }
 }
 

@@ -1,10 +1,12 @@
 //! Drafters that cost almost nothing: Token Recycling, context lookup, their fusion, the
-//! adaptive tree built from both, a lookahead head's drafts weighed into it, and Thompson
-//! Sampling over whole drafters by their measured tokens per second.
+//! adaptive tree built from both (and from an n-gram store of the model's own writing), a
+//! lookahead head's drafts weighed into it, and Thompson Sampling over whole drafters by their
+//! measured tokens per second.
 
 mod fused;
 mod lookahead;
 mod lookup;
+mod ngram_store;
 mod opt_tree;
 mod recycling;
 mod round_cost;
@@ -15,6 +17,7 @@ mod thompson;
 pub use fused::Fused;
 pub use lookahead::HeadDrafter;
 pub use lookup::ContextLookup;
+pub use ngram_store::{Continuation, NgramStore};
 pub use opt_tree::OptTree;
 pub use recycling::{SparseMatrix, TokenRecycling, TreeShape};
 pub use round_cost::RoundCost;

@@ -16,12 +16,15 @@
 //! one's), a lookup step by the n-gram length it matched and how far along the match it is, and
 //! tokens both sources propose; a lookahead head's children of the root
 //! ([`Drafter::suggest`]) by the head's rank and probability, and whether another source
-//! proposes the same token. Every verified row tells, for every candidate offered after
+//! proposes the same token; continuations from an n-gram store of the model's own writing
+//! ([`OptTree::with_store`]) by the context length matched, rank and share. Every verified row tells, for every candidate offered after
 //! that row (drafted or not), whether it was the target's choice; rates forget slowly so they
 //! follow the task at hand.
 
 use std::collections::BinaryHeap;
+use std::sync::Arc;
 
+use super::ngram_store::{self, NgramStore};
 use super::{ContextLookup, DrafterState, Likely, RoundCost, TokenRecycling, TreeShape};
 use crate::drafter::Drafter;
 use crate::error::{CoreError, Result};
@@ -43,6 +46,12 @@ const HEAD_PRIOR: [f64; 5] = [0.05, 0.2, 0.4, 0.65, 0.9];
 const HEAD_AGREES_PRIOR: [f64; 5] = [0.3, 0.45, 0.6, 0.75, 0.9];
 /// Head ranks rated separately; deeper ranks share the last rate.
 const HEAD_RANKS: usize = 4;
+/// Upper bounds of the share bins of retrieved continuations (the last bin is open), and the
+/// prior rates of the bins.
+const SHARE_BINS: [f32; 3] = [0.25, 0.5, 0.8];
+const SHARE_PRIOR: [f64; 4] = [0.1, 0.25, 0.4, 0.6];
+/// Context lengths of retrieved continuations rated separately.
+const STORE_ORDERS: usize = 2;
 /// Pseudo-observations of each rate's prior.
 const PRIOR_WEIGHT: f64 = 8.0;
 /// Weight kept by earlier observations of a rate at each new one (about the last 200 count).
@@ -61,13 +70,17 @@ enum Edge {
     Head { rank: usize, bin: usize },
     /// A head's child (probability bin `bin`) that recycling or lookup also proposes.
     HeadAgrees { bin: usize },
+    /// A continuation of the n-gram store after a context of `n` tokens, of `rank` among them,
+    /// with its share of the context's occurrences in bin `bin`.
+    Retrieved { n: usize, rank: usize, bin: usize },
 }
 
 impl Edge {
     const COUNT: usize = RANKS * (GAP_BINS.len() + 1)
         + LOOKUP_NS * LOOKUP_STEPS
         + LOOKUP_NS * BOTH_RANKS
-        + (HEAD_RANKS + 1) * (HEAD_BINS.len() + 1);
+        + (HEAD_RANKS + 1) * (HEAD_BINS.len() + 1)
+        + STORE_ORDERS * ngram_store::TOP * (SHARE_BINS.len() + 1);
 
     /// The bin of a head probability.
     fn head_bin(probability: f64) -> usize {
@@ -75,6 +88,14 @@ impl Edge {
             .iter()
             .position(|&b| probability < b)
             .unwrap_or(HEAD_BINS.len())
+    }
+
+    fn retrieved(n: usize, rank: usize, share: f32) -> Edge {
+        let bin = SHARE_BINS
+            .iter()
+            .position(|&b| share < b)
+            .unwrap_or(SHARE_BINS.len());
+        Edge::Retrieved { n, rank, bin }
     }
 
     fn recycled(rank: usize, gap: f32) -> Edge {
@@ -105,6 +126,14 @@ impl Edge {
                 let head = recycled + lookup + LOOKUP_NS * BOTH_RANKS;
                 head + HEAD_RANKS * (HEAD_BINS.len() + 1) + bin
             }
+            Edge::Retrieved { n, rank, bin } => {
+                let head = recycled + lookup + LOOKUP_NS * BOTH_RANKS;
+                let store = head + (HEAD_RANKS + 1) * (HEAD_BINS.len() + 1);
+                let order = n.clamp(*ngram_store::ORDERS.start(), *ngram_store::ORDERS.end())
+                    - ngram_store::ORDERS.start();
+                let rank = rank.min(ngram_store::TOP - 1);
+                store + (order * ngram_store::TOP + rank) * (SHARE_BINS.len() + 1) + bin
+            }
         }
     }
 
@@ -118,6 +147,7 @@ impl Edge {
             Edge::Both { .. } => 0.6,
             Edge::Head { bin, .. } => HEAD_PRIOR[bin],
             Edge::HeadAgrees { bin } => HEAD_AGREES_PRIOR[bin],
+            Edge::Retrieved { bin, .. } => SHARE_PRIOR[bin],
         }
     }
 }
@@ -175,6 +205,8 @@ pub struct OptTree {
     cost: Option<RoundCost>,
     /// A lookahead head's children of the next root ([`Drafter::suggest`]).
     suggested: Vec<(u32, f64)>,
+    /// Continuations of the model's usual phrases ([`OptTree::with_store`]).
+    store: Option<Arc<NgramStore>>,
 }
 
 impl OptTree {
@@ -188,7 +220,15 @@ impl OptTree {
             last: None,
             cost: None,
             suggested: Vec::new(),
+            store: None,
         }
+    }
+
+    /// Adds the continuations of `store` (shared, read-only) to every node's candidates,
+    /// looked up by the last tokens of the node's path.
+    pub fn with_store(mut self, store: Arc<NgramStore>) -> Self {
+        self.store = Some(store);
+        self
     }
 
     /// Sizes each tree by time: of the best-first tree of the budget, only as many nodes as
@@ -212,9 +252,10 @@ impl OptTree {
         self.rates.rate(Edge::recycled(rank, gap))
     }
 
-    /// The candidates after `token`: recycled ones, and `lookup` = (token, n, step) from the
-    /// lookup continuation, merged when they agree.
-    fn offers(&self, token: u32, lookup: Option<(u32, usize, usize)>) -> Vec<Offer> {
+    /// The candidates after `token` (the last of `tail`, the path's last tokens): recycled
+    /// ones, `lookup` = (token, n, step) from the lookup continuation, merged when they agree,
+    /// and the store's continuations of `tail` that neither offers.
+    fn offers(&self, token: u32, lookup: Option<(u32, usize, usize)>, tail: &[u32]) -> Vec<Offer> {
         let mut offers: Vec<Offer> = self
             .recycling
             .scored(token)
@@ -225,6 +266,16 @@ impl OptTree {
             match offers.iter_mut().enumerate().find(|(_, o)| o.0 == t) {
                 Some((rank, offer)) => *offer = (t, Edge::Both { n, rank }, Some(step)),
                 None => offers.push((t, Edge::Lookup { n, step }, Some(step))),
+            }
+        }
+        // Only what no other source offers: a store candidate that recycling or lookup also
+        // proposes is accepted far more often than one of its own, and one rate for both would
+        // overrate the latter.
+        if let Some((n, found)) = self.store.as_ref().and_then(|s| s.continuations(tail)) {
+            for (rank, c) in found.iter().enumerate() {
+                if !offers.iter().any(|o| o.0 == c.token) {
+                    offers.push((c.token, Edge::retrieved(n, rank, c.share), None));
+                }
             }
         }
         offers
@@ -251,7 +302,10 @@ impl Drafter for OptTree {
         };
         let lookup_at = |step: usize| continuation.get(step).map(|&t| (t, n, step));
 
-        let mut root_offers = self.offers(root, lookup_at(0));
+        // The last tokens of each row's path (0: the root, `i + 1`: node `i`), for the store.
+        let keep = *ngram_store::ORDERS.end();
+        let mut tails: Vec<Vec<u32>> = vec![context[context.len().saturating_sub(keep)..].to_vec()];
+        let mut root_offers = self.offers(root, lookup_at(0), &tails[0]);
         for (rank, &(token, probability)) in std::mem::take(&mut self.suggested).iter().enumerate()
         {
             let bin = Edge::head_bin(probability);
@@ -280,7 +334,11 @@ impl Drafter for OptTree {
             }
             let node = tree.push(token, parent);
             probabilities.push(probability);
-            let offers = self.offers(token, step.and_then(|s| lookup_at(s + 1)));
+            let mut tail = tails[parent.map_or(0, |p| p + 1)].clone();
+            tail.push(token);
+            tail.drain(..tail.len().saturating_sub(keep));
+            let offers = self.offers(token, step.and_then(|s| lookup_at(s + 1)), &tail);
+            tails.push(tail);
             heap.extend(offers.iter().map(|&offer| Candidate {
                 probability: probability * self.rates.rate(offer.1),
                 item: (Some(node), offer),
@@ -422,11 +480,46 @@ mod tests {
             }
             seen[Edge::HeadAgrees { bin }.index()] = true;
         }
+        for n in ngram_store::ORDERS {
+            for rank in 0..ngram_store::TOP {
+                for bin in 0..=SHARE_BINS.len() {
+                    let i = Edge::Retrieved { n, rank, bin }.index();
+                    assert!(!seen[i], "{n} {rank} {bin}");
+                    seen[i] = true;
+                }
+            }
+        }
         assert!(seen.iter().all(|&s| s));
+        assert_eq!(
+            Edge::retrieved(3, 0, 0.9),
+            Edge::Retrieved {
+                n: 3,
+                rank: 0,
+                bin: 3
+            }
+        );
         assert_eq!(Edge::head_bin(0.05), 0);
         assert_eq!(Edge::head_bin(0.95), HEAD_BINS.len());
         assert_eq!(Edge::recycled(0, 0.2), Edge::Recycled { rank: 0, gap: 0 });
         assert_eq!(Edge::recycled(1, 9.0), Edge::Recycled { rank: 1, gap: 5 });
+    }
+
+    #[test]
+    fn store_continuations_extend_the_tree_along_the_path() {
+        // The corpus always continues 5 6 with 7 8 9.
+        let corpus: Vec<u32> = [1, 5, 6, 7, 8, 9, 2].repeat(3);
+        let store = Arc::new(NgramStore::from_sequences([corpus.as_slice()]));
+        let mut d = OptTree::new(32, 4, 8).with_store(store);
+        // Nothing recycled or looked up: the store alone drafts 7, then 8 (after 6 7), then 9.
+        let tree = d.propose(&[3, 5, 6], 3);
+        assert_eq!(tree.path(2), vec![7, 8, 9]);
+        // Verification rates the store's edges: the first two right, then wrong.
+        d.verified(&tree, &[7, 8, 4, 0]);
+        let rate = |d: &OptTree| d.rates.rate(Edge::retrieved(2, 0, 1.0));
+        let before = OptTree::new(32, 4, 8);
+        assert!(rate(&d) > rate(&before));
+        // Without the store the same context drafts nothing.
+        assert!(OptTree::new(32, 4, 8).propose(&[3, 5, 6], 3).is_empty());
     }
 
     #[test]

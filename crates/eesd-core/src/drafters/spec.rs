@@ -4,7 +4,9 @@
 use std::fmt;
 use std::str::FromStr;
 
-use super::{ContextLookup, Fused, OptTree, ThompsonDrafters, TokenRecycling};
+use std::sync::Arc;
+
+use super::{ContextLookup, Fused, NgramStore, OptTree, ThompsonDrafters, TokenRecycling};
 use crate::drafter::Drafter;
 use crate::error::CoreError;
 
@@ -49,6 +51,16 @@ pub enum DrafterKind {
 impl DrafterSpec {
     /// A fresh drafter for a vocabulary of `vocab` tokens.
     pub fn build(&self, vocab: usize) -> Box<dyn Drafter + Send> {
+        self.build_with(vocab, None)
+    }
+
+    /// A fresh drafter whose adaptive trees (`opt`, also inside `ts:`) add the continuations
+    /// of `store` ([`OptTree::with_store`]); the other drafters ignore it.
+    pub fn build_with(
+        &self,
+        vocab: usize,
+        store: Option<&Arc<NgramStore>>,
+    ) -> Box<dyn Drafter + Send> {
         let lookup = |len: usize| ContextLookup::new(3, 1, len, 1);
         match self.kind {
             DrafterKind::Recycle => Box::new(TokenRecycling::new(vocab, RECYCLE_K)),
@@ -58,11 +70,17 @@ impl DrafterSpec {
                 (Box::new(TokenRecycling::new(vocab, RECYCLE_K)), self.budget),
             ])),
             DrafterKind::Opt { timed } => {
-                let tree = OptTree::new(vocab, RECYCLE_K, self.budget);
+                let mut tree = OptTree::new(vocab, RECYCLE_K, self.budget);
+                if let Some(store) = store {
+                    tree = tree.with_store(store.clone());
+                }
                 Box::new(if timed { tree.timed() } else { tree })
             }
             DrafterKind::Thompson(ref arms) => {
-                let arms = arms.iter().map(|a| (a.build(vocab), a.budget)).collect();
+                let arms = arms
+                    .iter()
+                    .map(|a| (a.build_with(vocab, store), a.budget))
+                    .collect();
                 // Fails only without arms (parsing admits none): then nothing is drafted.
                 match ThompsonDrafters::new(arms, TS_SEED) {
                     Ok(ts) => Box::new(ts),
