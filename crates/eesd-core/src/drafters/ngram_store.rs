@@ -12,9 +12,9 @@ use std::collections::HashMap;
 use crate::error::{CoreError, Result};
 
 /// Context lengths stored, longest first when drafting.
-pub const ORDERS: std::ops::RangeInclusive<usize> = 2..=3;
+pub(crate) const ORDERS: std::ops::RangeInclusive<usize> = 2..=3;
 /// Continuations kept per context.
-pub const TOP: usize = 3;
+pub(crate) const TOP: usize = 3;
 /// Token ids are packed 21 bits each into a context key; larger ids are never stored.
 const TOKEN_BITS: u32 = 21;
 /// Fewest occurrences of a continuation worth keeping (one sighting is weak evidence and most
@@ -46,7 +46,7 @@ fn key(context: &[u32]) -> Option<u64> {
 }
 
 impl NgramStore {
-    /// Counts every 2- and 3-token context of `sequences` and keeps, for each, its [`TOP`]
+    /// Counts every 2- and 3-token context of `sequences` and keeps, for each, its 3
     /// most frequent continuations seen at least twice. Memory while building is about 24
     /// bytes per corpus token; the store keeps only contexts with a repeated continuation.
     pub fn from_sequences<'s>(sequences: impl IntoIterator<Item = &'s [u32]>) -> Self {
