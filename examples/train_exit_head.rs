@@ -203,12 +203,18 @@ fn main() -> Result<()> {
     if args.sampled > 0 {
         sampling.validate()?;
     }
+    if args.sampled > MAX_SAMPLED {
+        bail!(
+            "--sampled {} is more than {MAX_SAMPLED} answers per prompt",
+            args.sampled
+        );
+    }
     // Greedy answers first, then each round of samples.
     let missing: Vec<(usize, usize)> = (0..=args.sampled)
         .flat_map(|s| (0..wanted).map(move |i| (i, s)))
         .filter(|key| !done.contains(key))
         .collect();
-    let mut answer_tokens = 0usize;
+    let (mut answer_tokens, generation_started) = (0usize, Instant::now());
     if !missing.is_empty() {
         let bar = ProgressBar::new((wanted * (args.sampled + 1)) as u64);
         bar.set_style(ProgressStyle::with_template(
@@ -273,7 +279,7 @@ fn main() -> Result<()> {
         }
         bar.finish();
     }
-    let generation_seconds = started.elapsed().as_secs_f64();
+    let generation_seconds = generation_started.elapsed().as_secs_f64();
     if answer_tokens > 0 {
         eprintln!(
             "generated {answer_tokens} answer tokens in {generation_seconds:.0} s ({:.0} tokens/s)",
@@ -499,6 +505,9 @@ fn main() -> Result<()> {
     }
     Ok(())
 }
+
+/// Most sampled answers per prompt (`--sampled`).
+const MAX_SAMPLED: usize = 1000;
 
 /// Draft length of the held-out evaluation's expected tokens per round.
 const EVAL_K: usize = 4;
