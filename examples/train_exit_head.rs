@@ -98,7 +98,8 @@ struct Args {
     tokens_per_step: usize,
     /// Continue the run saved in `OUT.state.json` (same data, configuration and batches)
     /// instead of starting over (with no state saved yet, training starts from step 0; the
-    /// answers already in the data file are always kept).
+    /// answers already in the data file are always kept). A different `--steps` re-plans the
+    /// run's end: the learning rate decays from the current step toward the new one.
     #[arg(long)]
     resume: bool,
     /// Save the training state (`OUT.state.json` + weights + optimizer moments) every this many
@@ -545,12 +546,20 @@ impl<'m> HeadRun<'m> {
             );
         }
         let (distiller, before, history, seconds_before) = if saved {
-            let (d, extra) = Distiller::resume(m, &out)?;
+            let (mut d, extra) = Distiller::resume(m, &out)?;
             eprintln!(
                 "layer {exit_layer}: resuming at step {} of {}",
                 d.step(),
                 d.config().total_steps
             );
+            if args.steps != d.config().total_steps {
+                d.set_total_steps(args.steps)?;
+                eprintln!(
+                    "layer {exit_layer}: the run now ends at step {} (--steps), the learning \
+                     rate decaying toward it from here",
+                    args.steps
+                );
+            }
             let before: EvalMetrics = serde_json::from_value(extra["before"].clone())?;
             let history: Vec<serde_json::Value> = serde_json::from_value(extra["history"].clone())?;
             let seconds = extra["seconds"].as_f64().unwrap_or(0.0);

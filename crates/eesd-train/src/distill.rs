@@ -320,6 +320,20 @@ impl<'m> Distiller<'m> {
         &self.config
     }
 
+    /// Re-plans the run to end at step `total` (a resumed run cut short, or lengthened): the
+    /// cosine decay runs from here on toward the new end. `total` must lie beyond the steps
+    /// taken and the warm-up.
+    pub fn set_total_steps(&mut self, total: usize) -> Result<()> {
+        if total <= self.step || total <= self.config.warmup_steps {
+            return Err(TrainError::InvalidConfig(format!(
+                "a run at step {} (warm-up {}) cannot end at step {total}",
+                self.step, self.config.warmup_steps
+            )));
+        }
+        self.config.total_steps = total;
+        Ok(())
+    }
+
     /// Teacher log-probabilities over the draft vocabulary `[t, n]`, on the plain device.
     fn teacher_log_probs(&self, teacher: &Teacher) -> Tensor<2> {
         let logits = match &self.subset_ids {

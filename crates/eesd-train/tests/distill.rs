@@ -311,6 +311,33 @@ fn a_trained_reduced_vocabulary_head_keeps_eesd_lossless() {
     }
 }
 
+/// A run cut short (or lengthened) re-plans its end: the decay runs toward the new total from
+/// the current step; an end at or before the steps taken or within the warm-up is refused.
+#[test]
+fn a_run_can_be_re_planned_to_end_elsewhere() {
+    let model = tiny(8);
+    let head = LayerHead::from_model(&model, HeadKind::Layer, 1, 3, None).unwrap();
+    let config = DistillConfig {
+        learning_rate: 1.0,
+        warmup_steps: 2,
+        total_steps: 100,
+        ..Default::default()
+    };
+    let mut d = Distiller::new(&model, head, config).unwrap();
+    let seq = self_generated(&model, 1, 8);
+    for _ in 0..3 {
+        d.train_step(&[&seq[0].tokens]).unwrap();
+    }
+    assert!(d.set_total_steps(3).is_err());
+    assert!(d.set_total_steps(2).is_err());
+    d.set_total_steps(4).unwrap();
+    assert_eq!(d.config().total_steps, 4);
+    // The last step of the new plan runs at the end of the decay.
+    assert!((d.config().learning_rate_at(4) - 0.1).abs() < 1e-12);
+    d.train_step(&[&seq[0].tokens]).unwrap();
+    assert_eq!(d.step(), 4);
+}
+
 #[test]
 fn schedule_warms_up_then_decays() {
     let c = DistillConfig {
