@@ -397,7 +397,9 @@ fn main() -> Result<()> {
                 let stem = args.out.file_name().unwrap_or_default().to_string_lossy();
                 args.out.with_file_name(format!("{stem}-l{n}"))
             };
-            HeadRun::start(&args, m, n, out, subset.as_ref(), &config, held_out)
+            let mut run = HeadRun::start(&args, m, n, out, subset.as_ref(), &config, held_out)?;
+            run.generation_seconds += generation_seconds;
+            Ok(run)
         })
         .collect::<Result<Vec<_>>>()?;
     let total = runs.iter().map(|r| r.total()).max().unwrap_or(0);
@@ -477,6 +479,7 @@ fn main() -> Result<()> {
         run.save(started)?;
         let config = run.distiller.config().clone();
         let init = init_layer(&args, m, run.exit_layer);
+        let generation_seconds_total = run.generation_seconds;
         let (out, before, history) = (run.out, run.before, run.history);
         let seconds = run.seconds_before + started.elapsed().as_secs_f64();
         let head = run.distiller.into_head()?;
@@ -494,7 +497,7 @@ fn main() -> Result<()> {
             training: serde_json::json!({
                 "distill": config, "init_layer": init, "prompts": args.num_prompts, "sequences": held_out.len() + train.len(), "sampled_per_prompt": args.sampled, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
                 "held_out": held, "answer_tokens": args.answer_tokens, "tokens_per_step": args.tokens_per_step, "loss": format!("KL(teacher || student) over the draft vocabulary + {} x CE(greedy token)", args.ce_weight),
-                "exit_layers_trained_together": layers, "generation_seconds": generation_seconds, "train_tokens_per_second": train_tokens_per_second, "total_seconds": seconds,
+                "exit_layers_trained_together": layers, "generation_seconds": generation_seconds_total, "train_tokens_per_second": train_tokens_per_second, "total_seconds": seconds,
             }),
             metrics: serde_json::json!({ "before": before, "after": after, "history": history }),
         };
@@ -522,6 +525,8 @@ struct HeadRun<'m> {
     history: Vec<serde_json::Value>,
     /// Training time of earlier (interrupted) runs.
     seconds_before: f64,
+    /// Answer generation time, that of the runs it resumes and (once added) this run's.
+    generation_seconds: f64,
     /// Smoothed training loss.
     running: Option<f64>,
 }
@@ -545,7 +550,7 @@ impl<'m> HeadRun<'m> {
                 state_path(&out).display()
             );
         }
-        let (distiller, before, history, seconds_before) = if saved {
+        let (distiller, before, history, seconds_before, generated_before) = if saved {
             let (mut d, extra) = Distiller::resume(m, &out)?;
             eprintln!(
                 "layer {exit_layer}: resuming at step {} of {}",
@@ -563,13 +568,14 @@ impl<'m> HeadRun<'m> {
             let before: EvalMetrics = serde_json::from_value(extra["before"].clone())?;
             let history: Vec<serde_json::Value> = serde_json::from_value(extra["history"].clone())?;
             let seconds = extra["seconds"].as_f64().unwrap_or(0.0);
-            (d, before, history, seconds)
+            let generated = extra["generation_seconds"].as_f64().unwrap_or(0.0);
+            (d, before, history, seconds, generated)
         } else {
             let init = init_layer(args, m, exit_layer);
             let head = LayerHead::from_model(m, args.head, exit_layer, init, subset)?;
             let d = Distiller::new(m, head, config.clone())?;
             let before = d.evaluate(held_out, EVAL_K)?;
-            (d, before, Vec::new(), 0.0)
+            (d, before, Vec::new(), 0.0, 0.0)
         };
         eprintln!("layer {exit_layer} before: {before:?}");
         Ok(HeadRun {
@@ -579,6 +585,7 @@ impl<'m> HeadRun<'m> {
             before,
             history,
             seconds_before,
+            generation_seconds: generated_before,
             running: None,
         })
     }
@@ -601,6 +608,7 @@ impl<'m> HeadRun<'m> {
         let extra = serde_json::json!({
             "before": self.before, "history": self.history,
             "seconds": self.seconds_before + started.elapsed().as_secs_f64(),
+            "generation_seconds": self.generation_seconds,
         });
         Ok(self.distiller.save_state(&self.out, extra)?)
     }
