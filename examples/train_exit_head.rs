@@ -479,7 +479,6 @@ fn main() -> Result<()> {
         run.save(started)?;
         let config = run.distiller.config().clone();
         let init = init_layer(&args, m, run.exit_layer);
-        let generation_seconds_total = run.generation_seconds;
         let (out, before, history) = (run.out, run.before, run.history);
         let seconds = run.seconds_before + started.elapsed().as_secs_f64();
         let head = run.distiller.into_head()?;
@@ -497,7 +496,7 @@ fn main() -> Result<()> {
             training: serde_json::json!({
                 "distill": config, "init_layer": init, "prompts": args.num_prompts, "sequences": held_out.len() + train.len(), "sampled_per_prompt": args.sampled, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
                 "held_out": held, "answer_tokens": args.answer_tokens, "tokens_per_step": args.tokens_per_step, "loss": format!("KL(teacher || student) over the draft vocabulary + {} x CE(greedy token)", args.ce_weight),
-                "exit_layers_trained_together": layers, "generation_seconds": generation_seconds_total, "train_tokens_per_second": train_tokens_per_second, "total_seconds": seconds,
+                "exit_layers_trained_together": layers, "generation_seconds": run.generation_seconds, "train_tokens_per_second": train_tokens_per_second, "total_seconds": seconds,
             }),
             metrics: serde_json::json!({ "before": before, "after": after, "history": history }),
         };

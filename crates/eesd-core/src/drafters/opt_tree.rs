@@ -107,28 +107,23 @@ impl Edge {
     }
 
     fn index(self) -> usize {
+        // Each kind of edge has its run of indices, in the order of `COUNT`'s terms.
         let recycled = RANKS * (GAP_BINS.len() + 1);
-        let lookup = LOOKUP_NS * LOOKUP_STEPS;
+        let lookup = recycled + LOOKUP_NS * LOOKUP_STEPS;
+        let head = lookup + LOOKUP_NS * BOTH_RANKS;
+        let store = head + (HEAD_RANKS + 1) * (HEAD_BINS.len() + 1);
         let n_index = |n: usize| n.clamp(1, LOOKUP_NS) - 1;
         match self {
             Edge::Recycled { rank, gap } => rank.min(RANKS - 1) * (GAP_BINS.len() + 1) + gap,
             Edge::Lookup { n, step } => {
                 recycled + n_index(n) * LOOKUP_STEPS + step.min(LOOKUP_STEPS - 1)
             }
-            Edge::Both { n, rank } => {
-                recycled + lookup + n_index(n) * BOTH_RANKS + rank.min(BOTH_RANKS - 1)
-            }
+            Edge::Both { n, rank } => lookup + n_index(n) * BOTH_RANKS + rank.min(BOTH_RANKS - 1),
             Edge::Head { rank, bin } => {
-                let head = recycled + lookup + LOOKUP_NS * BOTH_RANKS;
                 head + rank.min(HEAD_RANKS - 1) * (HEAD_BINS.len() + 1) + bin
             }
-            Edge::HeadAgrees { bin } => {
-                let head = recycled + lookup + LOOKUP_NS * BOTH_RANKS;
-                head + HEAD_RANKS * (HEAD_BINS.len() + 1) + bin
-            }
+            Edge::HeadAgrees { bin } => head + HEAD_RANKS * (HEAD_BINS.len() + 1) + bin,
             Edge::Retrieved { n, rank, bin } => {
-                let head = recycled + lookup + LOOKUP_NS * BOTH_RANKS;
-                let store = head + (HEAD_RANKS + 1) * (HEAD_BINS.len() + 1);
                 let order = n.clamp(*ngram_store::ORDERS.start(), *ngram_store::ORDERS.end())
                     - ngram_store::ORDERS.start();
                 let rank = rank.min(ngram_store::TOP - 1);
