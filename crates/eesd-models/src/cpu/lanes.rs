@@ -23,9 +23,13 @@ pub(crate) trait Lanes: Copy {
     /// `WIDTH` weights from `p` (unaligned), widened to f32 (exactly: every f16 and bf16 value
     /// is an f32 value).
     unsafe fn load_weights<E: WeightElement>(p: *const E) -> Self;
-    /// Hints that the cache line at `p` is read soon.
+    /// Hints that the cache line at `p` is read soon (into L1).
     #[inline(always)]
     unsafe fn prefetch(_p: *const u8) {}
+    /// Hints that the cache line at `p` is read soon, into L2 only: for data that would evict
+    /// from L1 what is being read now.
+    #[inline(always)]
+    unsafe fn prefetch_l2(_p: *const u8) {}
 }
 
 /// A weight element type the kernels read: `f32`, [`half::f16`] or [`half::bf16`].
@@ -177,6 +181,10 @@ pub(crate) mod x86 {
         unsafe fn prefetch(p: *const u8) {
             unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
         }
+        #[inline(always)]
+        unsafe fn prefetch_l2(p: *const u8) {
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast()) }
+        }
     }
 
     impl Lanes for __m512 {
@@ -217,6 +225,10 @@ pub(crate) mod x86 {
         #[inline(always)]
         unsafe fn prefetch(p: *const u8) {
             unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
+        }
+        #[inline(always)]
+        unsafe fn prefetch_l2(p: *const u8) {
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast()) }
         }
     }
 }

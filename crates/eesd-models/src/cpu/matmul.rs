@@ -16,6 +16,7 @@
 //! plain decoding), on AVX2, AVX-512 and the portable path alike.
 
 use super::isa::Isa;
+use super::l1::l1_data_bytes;
 use super::lanes::{Lanes, Soft, WeightElement};
 
 use super::packed::{PANEL, PackedMatrix};
@@ -31,7 +32,10 @@ const MAX_PASS_ROWS: usize = 96;
 
 /// Steps of the inner dimension per chunk: a chunk of one or two panels (8 or 16 KiB in f32)
 /// stays in L1 while every row group of the pass uses it, and the next chunk is prefetched
-/// meanwhile, spread over all row groups so that memory stays busy while the FMAs run.
+/// meanwhile, spread over all row groups so that memory stays busy while the FMAs run: into
+/// L1 where both chunks and a row group's activations fit there, else into L2 (two 16 KiB
+/// chunks on a 32 KiB L1 evicted the chunk being read: 8 f32 rows took ≈ 18.5 ms there with
+/// L1 prefetches, ≈ 16.5 ms with L2 ones; docs/results.md).
 const CHUNK: usize = 128;
 
 /// Cache line size.
@@ -255,6 +259,8 @@ unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>
     let direct = valid == P * PANEL;
     // The bytes after this tile's chunk: the rest of the panel(s), then the next panels.
     let chunk_lines = (CHUNK * PANEL * size_of::<E>()).div_ceil(LINE);
+    let footprint = 2 * P * chunk_lines * LINE + rows.min(M) * CHUNK * size_of::<f32>();
+    let to_l2 = footprint > l1_data_bytes();
     let next_panels = end.min(q + 2 * P) - q;
     unsafe {
         let w = p.w.add(q * k * PANEL);
@@ -279,6 +285,7 @@ unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>
                     first: g * chunk_lines / count,
                     lines: (g + 1) * chunk_lines / count - g * chunk_lines / count,
                     steps: i1 - i0,
+                    to_l2,
                 };
                 let sums = scratch.add((j - j0) * 2 * PANEL);
                 let dst = match direct && i1 == k {
@@ -321,12 +328,14 @@ struct Sums {
 }
 
 /// The prefetches one row group issues during one chunk: `lines` cache lines from line
-/// `first` of each of the (up to two) areas in `next`, spread over `steps` steps.
+/// `first` of each of the (up to two) areas in `next`, spread over `steps` steps, into L1 or
+/// (`to_l2`) into L2 only.
 struct Prefetch<E> {
     next: [*const E; 2],
     first: usize,
     lines: usize,
     steps: usize,
+    to_l2: bool,
 }
 
 /// Continues the `M × (P·16)` sums of activation rows `j..j+M` with panels at `w` over steps
@@ -382,7 +391,11 @@ unsafe fn tile<V: Lanes, E: WeightElement, const M: usize, const P: usize>(
                 countdown = every;
                 if line < pf.first + pf.lines {
                     for area in pf.next.iter().take(P) {
-                        V::prefetch(area.cast::<u8>().wrapping_add(line * LINE));
+                        let at = area.cast::<u8>().wrapping_add(line * LINE);
+                        match pf.to_l2 {
+                            true => V::prefetch_l2(at),
+                            false => V::prefetch(at),
+                        }
                     }
                     line += 1;
                 }

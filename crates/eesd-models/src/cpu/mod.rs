@@ -15,6 +15,7 @@ pub(crate) mod decoder;
 mod flex;
 mod huge_pages;
 pub mod isa;
+mod l1;
 pub(crate) mod lanes;
 pub mod matmul;
 pub mod packed;
