@@ -8,12 +8,28 @@
 //! aligned 2 MiB pages. So on Linux a buffer of 2 MiB or more is mapped fresh from the OS (the
 //! heap could hand back pages a previous model already touched), starts on a 2 MiB boundary
 //! and asks for the whole pages it holds; its tail stays on small pages, nothing is wasted.
+//!
+//! Most of a layer's matrices are smaller than a huge page (SmolLM2's Q4_1 projections hold
+//! 0.2–1.1 MB each, its f16 ones 0.7–1.8 MB), so buffers from 64 KiB up share *regions*: 32 MiB
+//! mappings advised as huge pages, handed out in order and unmapped when the last buffer in
+//! them is dropped. A model's weights then lie on huge pages however they are cut.
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
+use std::sync::{Arc, Mutex, Weak};
 
 /// Size and alignment of a huge page.
 const HUGE: usize = 2 << 20;
+
+/// Buffers from this size up to a huge page are placed in a shared [`Region`].
+const SHARED_MIN: usize = 64 << 10;
+
+/// Bytes of one shared region (16 huge pages: a buffer that does not fit the rest of the
+/// current region opens a new one, leaving at most one buffer's size unused).
+const REGION: usize = 32 << 20;
+
+/// Alignment of a buffer inside a region (a cache line).
+const REGION_ALIGN: usize = 64;
 
 /// A fixed-length buffer of plain values `T` (made only for `T: Copy`: dropping it frees the
 /// memory, nothing else) whose whole 2 MiB pages are on huge pages where the OS offers them
@@ -25,7 +41,6 @@ pub(crate) struct HugeBuf<T> {
 }
 
 /// Where a buffer's memory comes from.
-#[derive(Clone, Copy)]
 enum Backing {
     /// Nothing allocated (`len · size_of::<T>() == 0`).
     Empty,
@@ -34,6 +49,59 @@ enum Backing {
     /// An anonymous mapping of this many bytes at `ptr` (Linux).
     #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
     Mapped(usize),
+    /// A slice of a shared region, kept mapped while this buffer lives (held for its drop,
+    /// never read).
+    #[allow(dead_code)]
+    Shared(Arc<Region>),
+}
+
+/// A huge-page mapping that small buffers share ([`SHARED_MIN`]); unmapped when the last
+/// buffer in it is dropped.
+struct Region {
+    start: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: a region is plain memory; its buffers' own types decide what crosses threads.
+unsafe impl Send for Region {}
+// SAFETY: as above; the region itself is never read or written through `&Region`.
+unsafe impl Sync for Region {}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        #[cfg(target_os = "linux")]
+        // SAFETY: mapped with this length in `map_huge`, and no buffer in it is alive.
+        unsafe {
+            libc::munmap(self.start.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+/// The region new small buffers go to, and how many of its bytes are taken. Weak: a region
+/// no buffer uses any more is unmapped at once, not kept for later buffers.
+static CURRENT: Mutex<Option<(Weak<Region>, usize)>> = Mutex::new(None);
+
+/// Room for `bytes` (`SHARED_MIN ≤ bytes < HUGE`) in the current region, or in a new one;
+/// `None` if the OS refuses a mapping (the caller then uses the heap).
+#[cfg(target_os = "linux")]
+fn place_shared(bytes: usize) -> Option<(NonNull<u8>, Arc<Region>)> {
+    let mut current = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
+    let fits = current.as_ref().and_then(|(region, used)| {
+        let region = region.upgrade()?;
+        let at = used.next_multiple_of(REGION_ALIGN);
+        (at + bytes <= region.len).then_some((region, at))
+    });
+    let (region, at) = match fits {
+        Some(found) => found,
+        None => {
+            let (start, len) = map_huge(REGION)?;
+            (Arc::new(Region { start, len }), 0)
+        }
+    };
+    *current = Some((Arc::downgrade(&region), at + bytes));
+    // SAFETY: `at + bytes ≤ region.len`: inside the mapping.
+    let ptr = unsafe { region.start.add(at) };
+    Some((ptr, region))
 }
 
 // SAFETY: a HugeBuf owns its elements like a Vec.
@@ -79,6 +147,19 @@ impl<T: Copy> HugeBuf<T> {
                 ptr: ptr.cast(),
                 len,
                 backing: Backing::Mapped(mapped),
+            };
+        }
+        #[cfg(target_os = "linux")]
+        if align_of::<T>() <= REGION_ALIGN
+            && let Some((ptr, region)) = (SHARED_MIN..HUGE)
+                .contains(&bytes)
+                .then(|| place_shared(bytes))
+                .flatten()
+        {
+            return HugeBuf {
+                ptr: ptr.cast(),
+                len,
+                backing: Backing::Shared(region),
             };
         }
         let layout = Layout::array::<T>(len).expect("capacity overflow");
@@ -137,16 +218,17 @@ fn map_huge(bytes: usize) -> Option<(NonNull<u8>, usize)> {
 
 impl<T> Drop for HugeBuf<T> {
     fn drop(&mut self) {
-        match self.backing {
-            Backing::Empty => {}
+        match &self.backing {
+            // The region unmaps itself when its last buffer goes.
+            Backing::Empty | Backing::Shared(_) => {}
             // SAFETY: allocated with this layout in `uninit`.
             Backing::Heap(layout) => unsafe {
-                std::alloc::dealloc(self.ptr.as_ptr().cast(), layout)
+                std::alloc::dealloc(self.ptr.as_ptr().cast(), *layout)
             },
             #[cfg(target_os = "linux")]
             // SAFETY: mapped with this length in `map_huge`, and not used after this.
             Backing::Mapped(len) => unsafe {
-                libc::munmap(self.ptr.as_ptr().cast(), len);
+                libc::munmap(self.ptr.as_ptr().cast(), *len);
             },
             #[cfg(not(target_os = "linux"))]
             Backing::Mapped(_) => {}
@@ -208,5 +290,50 @@ mod tests {
         assert_eq!(big.as_ptr() as usize % HUGE, 0);
         let zst = HugeBuf::filled(5, ());
         assert_eq!(zst.len(), 5);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn small_buffers_share_regions_and_keep_their_values() {
+        // 40 buffers of 64 KiB .. 2 MiB (41 MB in all) fill more than one 32 MiB region.
+        let mut bufs: Vec<HugeBuf<u32>> = (0..40u32)
+            .map(|i| {
+                let len = (SHARED_MIN + (i as usize) * 50_000) / 4;
+                let values: Vec<u32> = (0..len as u32).map(|v| v ^ i).collect();
+                HugeBuf::from_slice(&values)
+            })
+            .collect();
+        let shared = bufs
+            .iter()
+            .filter(|b| matches!(b.backing, Backing::Shared(_)))
+            .count();
+        assert!(
+            shared == 0 || shared == bufs.len(),
+            "{shared} of {}",
+            bufs.len()
+        );
+        for b in &bufs {
+            assert_eq!(b.as_ptr() as usize % REGION_ALIGN, 0);
+        }
+        // Dropping every other buffer leaves the rest intact.
+        let kept: Vec<(u32, HugeBuf<u32>)> = bufs
+            .drain(..)
+            .enumerate()
+            .filter(|(i, _)| i % 2 == 1)
+            .map(|(i, b)| (i as u32, b))
+            .collect();
+        for (i, b) in &kept {
+            assert!(
+                b.iter().enumerate().all(|(v, &x)| x == v as u32 ^ i),
+                "buffer {i}"
+            );
+        }
+        // Buffers side by side in one region do not overlap.
+        let mut spans: Vec<(usize, usize)> = kept
+            .iter()
+            .map(|(_, b)| (b.as_ptr() as usize, b.as_ptr() as usize + 4 * b.len()))
+            .collect();
+        spans.sort();
+        assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0));
     }
 }
