@@ -25,12 +25,19 @@ use std::time::Instant;
 /// `(output rows, inner dimension)` of one layer's products.
 const SHAPES: [(usize, usize); 4] = [(960, 576), (576, 576), (3072, 576), (576, 1536)];
 
+/// [`SHAPES`] for `format`: K-quants' blocks hold 256 weights, so an inner dimension of 576
+/// becomes 768.
+fn shapes(format: QuantFormat) -> [(usize, usize); 4] {
+    SHAPES.map(|(out, k)| (out, k.next_multiple_of(format.block_len())))
+}
+
 #[derive(Parser, Debug)]
 struct Args {
     /// Activation rows per product.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
     rows: Vec<usize>,
-    /// Weight format: q4_0, q4_1 or q8_0.
+    /// Weight format: q4_0, q4_1, q8_0, q4_k or q6_k (K-quants need `k` a multiple of 256:
+    /// SmolLM2's 576 is not, so their shapes round `k` up to 768 and 1536).
     #[arg(long, default_value = "q4_1")]
     format: String,
     /// Layers per pass.
@@ -59,10 +66,16 @@ fn blocks(format: QuantFormat, blocks: usize, seed: u32) -> Vec<u8> {
             h = h.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
             *b = (h >> 24) as u8;
         }
-        // f16 scale 2⁻⁷ (and for Q4_1 an offset of −2⁻⁷) in front of the codes.
-        block[..2].copy_from_slice(&0x2000u16.to_le_bytes());
-        if format == QuantFormat::Q4_1 {
-            block[2..4].copy_from_slice(&0xa000u16.to_le_bytes());
+        // f16 scale 2⁻⁷ (and for Q4_1 an offset of −2⁻⁷, for Q4_K a minimum of 2⁻¹⁰) where
+        // the format keeps them.
+        match format {
+            QuantFormat::Q6K => block[208..].copy_from_slice(&0x2000u16.to_le_bytes()),
+            _ => block[..2].copy_from_slice(&0x2000u16.to_le_bytes()),
+        }
+        match format {
+            QuantFormat::Q4_1 => block[2..4].copy_from_slice(&0xa000u16.to_le_bytes()),
+            QuantFormat::Q4K => block[2..4].copy_from_slice(&0x1400u16.to_le_bytes()),
+            _ => {}
         }
     }
     data
@@ -74,23 +87,27 @@ fn main() -> Result<()> {
         "q4_0" => QuantFormat::Q4_0,
         "q4_1" => QuantFormat::Q4_1,
         "q8_0" => QuantFormat::Q8_0,
-        other => bail!("unknown format `{other}` (expected q4_0, q4_1 or q8_0)"),
+        "q4_k" => QuantFormat::Q4K,
+        "q6_k" => QuantFormat::Q6K,
+        other => bail!("unknown format `{other}` (expected q4_0, q4_1, q8_0, q4_k or q6_k)"),
     };
     let own_pool = args.threads.map(|t| Pool::new(t.max(1)));
     let pool = own_pool.as_ref().unwrap_or(Pool::global());
     let isa = Isa::detect();
     let before = Roofline::measure();
     let distinct = if args.resident { 1 } else { args.layers };
+    let shapes = shapes(format);
     let mut matrices = Vec::new();
     for layer in 0..distinct {
-        for (i, &(out, k)) in SHAPES.iter().enumerate() {
-            let data = blocks(format, out * k / 32, (layer * SHAPES.len() + i) as u32);
+        for (i, &(out, k)) in shapes.iter().enumerate() {
+            let blocks_n = out * k / format.block_len();
+            let data = blocks(format, blocks_n, (layer * shapes.len() + i) as u32);
             matrices.push(QuantMatrix::new(format, data, out, k)?);
         }
     }
     let repeats = args.layers / distinct;
-    let widest = SHAPES.iter().map(|s| s.0.max(s.1)).max().unwrap_or(0);
-    let macs_per_row = (SHAPES.iter().map(|&(o, k)| o * k).sum::<usize>() * args.layers) as f64;
+    let widest = shapes.iter().map(|s| s.0.max(s.1)).max().unwrap_or(0);
+    let macs_per_row = (shapes.iter().map(|&(o, k)| o * k).sum::<usize>() * args.layers) as f64;
     let bytes = (matrices.iter().map(QuantMatrix::bytes).sum::<usize>() * repeats) as f64;
     // Each row count's activations and outputs, made once.
     let mut io: Vec<(usize, Vec<f32>, Vec<f32>)> = (args.rows.iter())
