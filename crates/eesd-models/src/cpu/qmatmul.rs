@@ -53,6 +53,9 @@ struct Part {
     /// The blocks, in panels for the formats `qpanel` takes, else as in the file; on huge
     /// pages where the OS offers them ([`super::huge_pages`]).
     data: HugeBuf<u8>,
+    /// The file blocks' heads that the panels do not keep ([`qpanel::head_bytes`]; Q4_K), to
+    /// give the file's blocks back; never read by the kernels.
+    heads: Vec<u8>,
 }
 
 impl std::fmt::Debug for QuantMatrix {
@@ -102,16 +105,18 @@ impl QuantMatrix {
                 k,
             });
         }
-        let data = if qpanel::supports(format) {
-            HugeBuf::from_slice(&qpanel::repack(format, &data, rows, k))
+        let (data, heads) = if qpanel::supports(format) {
+            let (panels, heads) = qpanel::repack(format, &data, rows, k);
+            (HugeBuf::from_slice(&panels), heads)
         } else {
-            HugeBuf::from_slice(&data)
+            (HugeBuf::from_slice(&data), Vec::new())
         };
         self.parts.push(Part {
             format,
             first: self.out,
             rows,
             data,
+            heads,
         });
         self.out += rows;
         Ok(())
@@ -127,7 +132,8 @@ impl QuantMatrix {
         self.k
     }
 
-    /// Bytes held (the file's bytes, plus the padding of a last panel of fewer than 8 rows).
+    /// Bytes the kernels read (the file's bytes, plus the padding of a last panel of fewer
+    /// than 8 rows; for Q4_K panels 24 bytes per 32 weights where the file has 18).
     pub fn bytes(&self) -> usize {
         self.parts.iter().map(|p| p.data.len()).sum()
     }
@@ -150,8 +156,8 @@ impl QuantMatrix {
             return Some((p.format, Cow::Borrowed(&p.data[r * bytes..][..bytes])));
         }
         let mut row = vec![0u8; bytes];
-        for (n, block) in row.chunks_exact_mut(bb).enumerate() {
-            qpanel::file_block(p.format, &p.data, self.k, r, n, block);
+        for (b, block) in row.chunks_exact_mut(bb).enumerate() {
+            qpanel::file_block(p.format, &p.data, &p.heads, self.k, r, b, block);
         }
         Some((p.format, Cow::Owned(row)))
     }
@@ -760,12 +766,12 @@ mod tests {
                     k,
                 )
                 .unwrap();
-                let padded = if qpanel::supports(format) {
-                    out.next_multiple_of(8)
+                let held = if qpanel::supports(format) {
+                    out.div_ceil(8) * (k / SUB) * qpanel::sub_bytes(format)
                 } else {
-                    out
+                    out * row_bytes
                 };
-                assert_eq!(m.bytes(), padded * row_bytes);
+                assert_eq!(m.bytes(), held);
                 let w = m.dequantize();
                 let bytes = blocks(format, out * k / format.block_len(), 3);
                 let want_w = format.ggml().dequantize("t", &bytes, out * k).unwrap();

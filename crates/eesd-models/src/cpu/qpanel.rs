@@ -1,5 +1,5 @@
-//! Q4_0, Q4_1 and Q8_0 weights regrouped once at load into *panels* of 8 output rows, so that
-//! one 256-bit register holds 4 consecutive codes of each of the 8 rows and every integer
+//! Q4_0, Q4_1, Q8_0 and Q4_K weights regrouped once at load into *panels* of 8 output rows, so
+//! that one 256-bit register holds 4 consecutive codes of each of the 8 rows and every integer
 //! multiply, conversion and scaling serves 8 outputs at once.
 //!
 //! Why: in the file's row-major blocks, each (output, activation row, sub-block of 32) costs
@@ -11,12 +11,16 @@
 //!
 //! Layout of one panel sub-block (the 32 weights `n·32..n·32+32` of rows `8p..8p+8`):
 //! - the 8 rows' f16 scales `d` (16 bytes), then for Q4_1 their f16 offsets `m` (16 bytes);
-//! - Q4_0 / Q4_1: 4 × 32 bytes of codes, vector `t` holding byte `4o + e` =
+//!   for Q4_K the sub-block's f32 scales `d · sc` then f32 offsets `−dmin · m` (64 bytes: the
+//!   products of an f16 and a 6-bit integer, exact in f32 and not in f16), so that a Q4_K
+//!   sub-block runs as a Q4_1 one;
+//! - Q4_0 / Q4_1 / Q4_K: 4 × 32 bytes of codes, vector `t` holding byte `4o + e` =
 //!   `v[o][8t + e] | v[o][8t + 4 + e] << 4` (the low nibbles give weights `8t..8t+4` of every
 //!   row, the high nibbles `8t+4..8t+8`);
 //! - Q8_0: 8 × 32 bytes, vector `i` holding byte `4o + e` = `q[o][4i + e]`.
 //!
-//! The bytes per row are the file's (18, 20 or 34 per 32 weights); a last panel with fewer
+//! The bytes per row are the file's (18, 20 or 34 per 32 weights; Q4_K 24 where the file has 18,
+//! its 16-byte block heads kept aside to give back the file's blocks); a last panel with fewer
 //! than 8 rows is padded with zero blocks, whose outputs are never stored.
 //!
 //! Where the CPU has AVX-512 VNNI, the wide kernel takes two neighbouring panels at once in
@@ -29,7 +33,7 @@
 //! Arithmetic (the same on every instruction set, for every block size and row grouping, hence
 //! batch-invariant): output `(j, o)` starts at 0 and, for each sub-block `n` in order, takes
 //! `acc = fma(float(Σ q·q_x), d_w · d_x, acc)` with the exact integer dot product, then for
-//! Q4_0 (`m = −8·d_w`) and Q4_1 `acc = fma(m, d_x · Σ q_x, acc)`.
+//! Q4_0 (`m = −8·d_w`), Q4_1 and Q4_K `acc = fma(m, d_x · Σ q_x, acc)`.
 
 use super::q8::Q8Rows;
 use super::qformat::{QuantFormat, SUB, f16_at};
@@ -77,8 +81,18 @@ pub(crate) fn wide(isa: super::Isa) -> bool {
 pub(crate) const fn supports(format: QuantFormat) -> bool {
     matches!(
         format,
-        QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q8_0
+        QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q8_0 | QuantFormat::Q4K
     )
+}
+
+/// Bytes at the start of each file block that a panel does not keep as they are (Q4_K's
+/// `d`, `dmin` and packed 6-bit scales; its panels hold their f32 products), kept aside per
+/// block to give the file's blocks back.
+pub(crate) const fn head_bytes(format: QuantFormat) -> usize {
+    match format {
+        QuantFormat::Q4K => 16,
+        _ => 0,
+    }
 }
 
 /// Activation rows per kernel call for `format` (Q8_0 keeps 32-bit sums per row: fewer fit).
@@ -93,83 +107,115 @@ pub(crate) const fn max_acts(format: QuantFormat) -> usize {
 const fn header(format: QuantFormat) -> usize {
     match format {
         QuantFormat::Q4_1 => 32,
+        QuantFormat::Q4K => 64,
         _ => 16,
     }
 }
 
-/// Bytes of one panel sub-block: 8 rows × the file's bytes per 32 weights.
+/// Bytes of one panel sub-block: 8 rows × the file's bytes per 32 weights (Q4_K: f32 scales
+/// and offsets, then 16 bytes of codes per row).
 pub(crate) const fn sub_bytes(format: QuantFormat) -> usize {
-    ROWS * format.block_bytes()
+    match format {
+        QuantFormat::Q4K => header(format) + ROWS * 16,
+        _ => ROWS * format.block_bytes(),
+    }
 }
 
-/// Rows `[rows, k]` in the file's blocks (`format` supported, `k` a multiple of 32, `data`
-/// of matching length) as panels.
-pub(crate) fn repack(format: QuantFormat, data: &[u8], rows: usize, k: usize) -> Vec<u8> {
+/// Rows `[rows, k]` in the file's blocks (`format` supported, `k` a multiple of its block
+/// length, `data` of matching length) as panels, and the file blocks' heads that the panels do
+/// not keep ([`head_bytes`] per block, row-major; empty for most formats).
+pub(crate) fn repack(
+    format: QuantFormat,
+    data: &[u8],
+    rows: usize,
+    k: usize,
+) -> (Vec<u8>, Vec<u8>) {
     let (subs, bb, sb) = (k / SUB, format.block_bytes(), sub_bytes(format));
+    let per_block = format.block_len() / SUB;
+    let hb = head_bytes(format);
     let mut panels = vec![0u8; rows.div_ceil(ROWS) * subs * sb];
-    for (r, row) in data.chunks_exact(subs * bb).enumerate().take(rows) {
+    let mut heads = Vec::with_capacity(rows * k / format.block_len() * hb);
+    for (r, row) in data
+        .chunks_exact(k / format.block_len() * bb)
+        .enumerate()
+        .take(rows)
+    {
         let (p, o) = (r / ROWS, r % ROWS);
-        for (n, block) in row.chunks_exact(bb).enumerate() {
-            let sub = &mut panels[(p * subs + n) * sb..][..sb];
-            sub[2 * o..2 * o + 2].copy_from_slice(&block[..2]);
-            if format == QuantFormat::Q4_1 {
-                sub[16 + 2 * o..16 + 2 * o + 2].copy_from_slice(&block[2..4]);
-            }
-            let codes = &mut sub[header(format)..];
-            for i in 0..SUB {
-                let v = file_value(format, block, i);
-                let (at, high) = code_at(format, o, i);
-                if high {
-                    codes[at] |= v << 4;
-                } else {
-                    codes[at] |= v;
+        for (b, block) in row.chunks_exact(bb).enumerate() {
+            heads.extend_from_slice(&block[..hb]);
+            for s in 0..per_block {
+                let sub = &mut panels[(p * subs + b * per_block + s) * sb..][..sb];
+                match format {
+                    QuantFormat::Q4K => {
+                        let sc = format.scales(block, s);
+                        let offset = match sc.offset {
+                            super::qformat::Offset::Whole(m) => m,
+                            _ => 0.0,
+                        };
+                        sub[4 * o..4 * o + 4].copy_from_slice(&sc.scale[0].to_le_bytes());
+                        sub[32 + 4 * o..32 + 4 * o + 4].copy_from_slice(&offset.to_le_bytes());
+                    }
+                    _ => {
+                        sub[2 * o..2 * o + 2].copy_from_slice(&block[..2]);
+                        if format == QuantFormat::Q4_1 {
+                            sub[16 + 2 * o..16 + 2 * o + 2].copy_from_slice(&block[2..4]);
+                        }
+                    }
+                }
+                let codes = &mut sub[header(format)..];
+                for (i, &v) in format.values(block, s).iter().enumerate() {
+                    let (at, high) = code_at(format, o, i);
+                    if high {
+                        codes[at] |= (v as u8) << 4;
+                    } else {
+                        codes[at] |= v as u8;
+                    }
                 }
             }
         }
     }
-    panels
+    (panels, heads)
 }
 
-/// The file's block of row `r` (of the part), sub-block `n`, rebuilt from its panel into
-/// `block` (`format.block_bytes()` long).
+/// The file's block `b` of row `r` (of the part), rebuilt from its panels (and for Q4_K its
+/// head kept aside, `heads` as [`repack`] gave them) into `block` (`format.block_bytes()`
+/// long).
 pub(crate) fn file_block(
     format: QuantFormat,
     panels: &[u8],
+    heads: &[u8],
     k: usize,
     r: usize,
-    n: usize,
+    b: usize,
     block: &mut [u8],
 ) {
     let (subs, sb) = (k / SUB, sub_bytes(format));
+    let per_block = format.block_len() / SUB;
     let (p, o) = (r / ROWS, r % ROWS);
-    let sub = &panels[(p * subs + n) * sb..][..sb];
     block.fill(0);
-    block[..2].copy_from_slice(&sub[2 * o..2 * o + 2]);
-    if format == QuantFormat::Q4_1 {
-        block[2..4].copy_from_slice(&sub[16 + 2 * o..16 + 2 * o + 2]);
+    let hb = head_bytes(format);
+    if hb > 0 {
+        let blocks = k / format.block_len();
+        block[..hb].copy_from_slice(&heads[(r * blocks + b) * hb..][..hb]);
     }
-    for i in 0..SUB {
-        let v = panel_value(format, sub, o, i);
-        match format {
-            QuantFormat::Q8_0 => block[2 + i] = v as u8,
-            _ => {
-                let qs = format.block_bytes() - 16;
-                block[qs + i % 16] |= (v as u8) << (4 * (i / 16));
+    for s in 0..per_block {
+        let sub = &panels[(p * subs + b * per_block + s) * sb..][..sb];
+        if hb == 0 {
+            block[..2].copy_from_slice(&sub[2 * o..2 * o + 2]);
+            if format == QuantFormat::Q4_1 {
+                block[2..4].copy_from_slice(&sub[16 + 2 * o..16 + 2 * o + 2]);
             }
         }
-    }
-}
-
-/// Code `i` of a file block as stored (a nibble, or Q8_0's byte).
-fn file_value(format: QuantFormat, block: &[u8], i: usize) -> u8 {
-    match format {
-        QuantFormat::Q8_0 => block[2 + i],
-        _ => {
-            let qs = &block[format.block_bytes() - 16..];
-            if i < 16 {
-                qs[i] & 0x0f
-            } else {
-                qs[i - 16] >> 4
+        for i in 0..SUB {
+            let v = panel_value(format, sub, o, i);
+            match format {
+                QuantFormat::Q8_0 => block[2 + i] = v as u8,
+                // Sub-block s: the low (even s) or high nibbles of 32 bytes after the head.
+                QuantFormat::Q4K => block[16 + 32 * (s / 2) + i] |= (v as u8) << (4 * (s % 2)),
+                _ => {
+                    let qs = format.block_bytes() - 16;
+                    block[qs + i % 16] |= (v as u8) << (4 * (i / 16));
+                }
             }
         }
     }
@@ -203,6 +249,10 @@ fn panel_value(format: QuantFormat, sub: &[u8], o: usize, i: usize) -> i32 {
 /// Scale and offset of panel row `o` in a sub-block (offset 0 for Q8_0).
 #[inline(always)]
 fn scale_offset(format: QuantFormat, sub: &[u8], o: usize) -> (f32, f32) {
+    let f32_at = |at: usize| f32::from_le_bytes([sub[at], sub[at + 1], sub[at + 2], sub[at + 3]]);
+    if format == QuantFormat::Q4K {
+        return (f32_at(4 * o), f32_at(32 + 4 * o));
+    }
     let d = f16_at(sub, 2 * o);
     match format {
         QuantFormat::Q4_0 => (d, d * -8.0),
@@ -241,6 +291,7 @@ pub(crate) unsafe fn tile(
             match format {
                 QuantFormat::Q4_0 => rows!($kernel, 0),
                 QuantFormat::Q4_1 => rows!($kernel, 1),
+                QuantFormat::Q4K => rows!($kernel, 3),
                 _ => match m {
                     4 => $kernel::<2, 4>(panel, acts, j, tile),
                     3 => $kernel::<2, 3>(panel, acts, j, tile),
@@ -295,13 +346,19 @@ pub(crate) unsafe fn wide_tile(
         match format {
             QuantFormat::Q4_0 => rows!(0),
             QuantFormat::Q4_1 => rows!(1),
+            QuantFormat::Q4K => rows!(3),
             _ => rows!(2),
         }
     }
 }
 
 /// The panel formats by index (a constant the compiler folds into each kernel instance).
-const FORMATS: [QuantFormat; 3] = [QuantFormat::Q4_0, QuantFormat::Q4_1, QuantFormat::Q8_0];
+const FORMATS: [QuantFormat; 4] = [
+    QuantFormat::Q4_0,
+    QuantFormat::Q4_1,
+    QuantFormat::Q8_0,
+    QuantFormat::Q4K,
+];
 
 /// The reference kernel: the module's arithmetic one output at a time.
 fn portable_tile<const F: usize, const M: usize>(
@@ -425,10 +482,14 @@ mod x86 {
                         dots[m] = _mm256_madd_epi16(sums[m], ones);
                     }
                 }
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(sub.cast()));
+                let d = match format {
+                    QuantFormat::Q4K => _mm256_loadu_ps(sub.cast()),
+                    _ => _mm256_cvtph_ps(_mm_loadu_si128(sub.cast())),
+                };
                 let offset = match format {
                     QuantFormat::Q4_0 => Some(_mm256_mul_ps(d, _mm256_set1_ps(-8.0))),
                     QuantFormat::Q4_1 => Some(_mm256_cvtph_ps(_mm_loadu_si128(sub.add(16).cast()))),
+                    QuantFormat::Q4K => Some(_mm256_loadu_ps(sub.add(32).cast())),
                     _ => None,
                 };
                 for m in 0..M {
@@ -468,6 +529,16 @@ mod x86 {
             let low = _mm256_castsi128_si256(_mm_loadu_si128(a.add(at).cast()));
             let both = _mm256_inserti128_si256::<1>(low, _mm_loadu_si128(b.add(at).cast()));
             _mm512_cvtph_ps(both)
+        }
+    }
+
+    /// The 8 f32 values at offset `at` of panel `a`'s sub-block, then panel `b`'s.
+    #[inline(always)]
+    unsafe fn join_f32(a: *const u8, b: *const u8, at: usize) -> __m512 {
+        unsafe {
+            let low = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a.add(at).cast())));
+            let high = _mm256_castps_pd(_mm256_loadu_ps(b.add(at).cast()));
+            _mm512_castpd_ps(_mm512_insertf64x4::<1>(low, high))
         }
     }
 
@@ -530,10 +601,14 @@ mod x86 {
                         }
                     }
                 }
-                let d = join_f16(sa, sb_, 0);
+                let d = match format {
+                    QuantFormat::Q4K => join_f32(sa, sb_, 0),
+                    _ => join_f16(sa, sb_, 0),
+                };
                 let offset = match format {
                     QuantFormat::Q4_0 => Some(_mm512_mul_ps(d, _mm512_set1_ps(-8.0))),
                     QuantFormat::Q4_1 => Some(join_f16(sa, sb_, 16)),
+                    QuantFormat::Q4K => Some(join_f32(sa, sb_, 32)),
                     _ => None,
                 };
                 for m in 0..M {
@@ -559,20 +634,27 @@ mod tests {
 
     #[test]
     fn panels_give_back_the_file_blocks() {
-        for format in [QuantFormat::Q4_0, QuantFormat::Q4_1, QuantFormat::Q8_0] {
-            let (rows, k) = (13, 96);
-            let data = test_blocks(format, rows * k / SUB, 4);
-            let panels = repack(format, &data, rows, k);
+        for format in [
+            QuantFormat::Q4_0,
+            QuantFormat::Q4_1,
+            QuantFormat::Q8_0,
+            QuantFormat::Q4K,
+        ] {
+            let (rows, k) = (13, 3 * format.block_len());
+            let blocks = k / format.block_len();
+            let data = test_blocks(format, rows * blocks, 4);
+            let (panels, heads) = repack(format, &data, rows, k);
             assert_eq!(panels.len(), 2 * (k / SUB) * sub_bytes(format));
+            assert_eq!(heads.len(), rows * blocks * head_bytes(format));
             let bb = format.block_bytes();
             let mut block = vec![0u8; bb];
             for r in 0..rows {
-                for n in 0..k / SUB {
-                    file_block(format, &panels, k, r, n, &mut block);
+                for b in 0..blocks {
+                    file_block(format, &panels, &heads, k, r, b, &mut block);
                     assert_eq!(
                         block,
-                        data[(r * k / SUB + n) * bb..][..bb],
-                        "{format} {r} {n}"
+                        data[(r * blocks + b) * bb..][..bb],
+                        "{format} {r} {b}"
                     );
                 }
             }
