@@ -25,6 +25,9 @@ pub struct Q8Rows {
     /// The exact `Σ q` per sub-block, transposed `[k / 32][stride]` (zero past `rows`): the
     /// VNNI kernel's correction for Q8_0 weights it reads as unsigned (`w + 128`).
     pub(crate) int_sum: Vec<i32>,
+    /// `−32 · Σ q` per half sub-block (exact), transposed `[k / 32][2][stride]`: where the
+    /// panel kernels' sums start for Q6_K codes, stored as `q + 32`.
+    pub(crate) half_bias: Vec<i32>,
 }
 
 impl Q8Rows {
@@ -46,6 +49,8 @@ impl Q8Rows {
         self.half.resize(subs * 2 * stride, 0.0);
         self.int_sum.clear();
         self.int_sum.resize(subs * stride, 0);
+        self.half_bias.clear();
+        self.half_bias.resize(subs * 2 * stride, 0);
         for r in 0..rows {
             quantize_row(
                 &x[r * k..(r + 1) * k],
@@ -61,6 +66,8 @@ impl Q8Rows {
                 self.sum[s * stride + r] = d * (a + c) as f32;
                 self.half[(2 * s) * stride + r] = d * a as f32;
                 self.half[(2 * s + 1) * stride + r] = d * c as f32;
+                self.half_bias[(2 * s) * stride + r] = -32 * a;
+                self.half_bias[(2 * s + 1) * stride + r] = -32 * c;
             }
         }
     }

@@ -1,4 +1,4 @@
-//! Q4_0, Q4_1, Q8_0 and Q4_K weights regrouped once at load into *panels* of 8 output rows, so
+//! Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights regrouped once at load into *panels* of 8 output rows, so
 //! that one 256-bit register holds 4 consecutive codes of each of the 8 rows and every integer
 //! multiply, conversion and scaling serves 8 outputs at once.
 //!
@@ -13,15 +13,18 @@
 //! - the 8 rows' f16 scales `d` (16 bytes), then for Q4_1 their f16 offsets `m` (16 bytes);
 //!   for Q4_K the sub-block's f32 scales `d · sc` then f32 offsets `−dmin · m` (64 bytes: the
 //!   products of an f16 and a 6-bit integer, exact in f32 and not in f16), so that a Q4_K
-//!   sub-block runs as a Q4_1 one;
+//!   sub-block runs as a Q4_1 one; for Q6_K the f32 scales `d · sc` of its first 16 weights,
+//!   then of its last 16 (64 bytes);
 //! - Q4_0 / Q4_1 / Q4_K: 4 × 32 bytes of codes, vector `t` holding byte `4o + e` =
 //!   `v[o][8t + e] | v[o][8t + 4 + e] << 4` (the low nibbles give weights `8t..8t+4` of every
 //!   row, the high nibbles `8t+4..8t+8`);
-//! - Q8_0: 8 × 32 bytes, vector `i` holding byte `4o + e` = `q[o][4i + e]`.
+//! - Q8_0 and Q6_K: 8 × 32 bytes, vector `i` holding byte `4o + e` = `q[o][4i + e]` (Q6_K's
+//!   6-bit codes `0..64` in a byte each).
 //!
-//! The bytes per row are the file's (18, 20 or 34 per 32 weights; Q4_K 24 where the file has 18,
-//! its 16-byte block heads kept aside to give back the file's blocks); a last panel with fewer
-//! than 8 rows is padded with zero blocks, whose outputs are never stored.
+//! The bytes per row are the file's (18, 20 or 34 per 32 weights; Q4_K 24 where the file has 18
+//! and Q6_K 40 where it has 26.25, their block heads kept aside to give back the file's
+//! blocks); a last panel with fewer than 8 rows is padded with zero blocks, whose outputs are
+//! never stored.
 //!
 //! Where the CPU has AVX-512 VNNI, the wide kernel takes two neighbouring panels at once in
 //! 512-bit registers (16 outputs) and forms each sub-block's dot products with `vpdpbusd`
@@ -33,7 +36,9 @@
 //! Arithmetic (the same on every instruction set, for every block size and row grouping, hence
 //! batch-invariant): output `(j, o)` starts at 0 and, for each sub-block `n` in order, takes
 //! `acc = fma(float(Σ q·q_x), d_w · d_x, acc)` with the exact integer dot product, then for
-//! Q4_0 (`m = −8·d_w`), Q4_1 and Q4_K `acc = fma(m, d_x · Σ q_x, acc)`.
+//! Q4_0 (`m = −8·d_w`), Q4_1 and Q4_K `acc = fma(m, d_x · Σ q_x, acc)`. Q6_K takes its two
+//! halves in turn, each `acc = fma(float(Σ (q − 32)·q_x), d_h · d_x, acc)` with the exact
+//! integer sum over the half's 16 weights.
 
 use super::q8::Q8Rows;
 use super::qformat::{QuantFormat, SUB, f16_at};
@@ -81,24 +86,35 @@ pub(crate) fn wide(isa: super::Isa) -> bool {
 pub(crate) const fn supports(format: QuantFormat) -> bool {
     matches!(
         format,
-        QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q8_0 | QuantFormat::Q4K
+        QuantFormat::Q4_0
+            | QuantFormat::Q4_1
+            | QuantFormat::Q8_0
+            | QuantFormat::Q4K
+            | QuantFormat::Q6K
     )
 }
 
-/// Bytes at the start of each file block that a panel does not keep as they are (Q4_K's
-/// `d`, `dmin` and packed 6-bit scales; its panels hold their f32 products), kept aside per
-/// block to give the file's blocks back.
-pub(crate) const fn head_bytes(format: QuantFormat) -> usize {
+/// The bytes of each file block that a panel does not keep as they are (Q4_K's leading `d`,
+/// `dmin` and packed 6-bit scales, Q6_K's trailing 8-bit scales and `d`; the panels hold
+/// their f32 products), kept aside per block to give the file's blocks back.
+pub(crate) const fn head(format: QuantFormat) -> std::ops::Range<usize> {
     match format {
-        QuantFormat::Q4K => 16,
-        _ => 0,
+        QuantFormat::Q4K => 0..16,
+        QuantFormat::Q6K => 192..210,
+        _ => 0..0,
     }
+}
+
+/// Bytes of [`head`].
+pub(crate) const fn head_bytes(format: QuantFormat) -> usize {
+    let range = head(format);
+    range.end - range.start
 }
 
 /// Activation rows per kernel call for `format` (Q8_0 keeps 32-bit sums per row: fewer fit).
 pub(crate) const fn max_acts(format: QuantFormat) -> usize {
     match format {
-        QuantFormat::Q8_0 => 4,
+        QuantFormat::Q8_0 | QuantFormat::Q6K => 4,
         _ => MAX_ACTS,
     }
 }
@@ -107,7 +123,7 @@ pub(crate) const fn max_acts(format: QuantFormat) -> usize {
 const fn header(format: QuantFormat) -> usize {
     match format {
         QuantFormat::Q4_1 => 32,
-        QuantFormat::Q4K => 64,
+        QuantFormat::Q4K | QuantFormat::Q6K => 64,
         _ => 16,
     }
 }
@@ -117,6 +133,7 @@ const fn header(format: QuantFormat) -> usize {
 pub(crate) const fn sub_bytes(format: QuantFormat) -> usize {
     match format {
         QuantFormat::Q4K => header(format) + ROWS * 16,
+        QuantFormat::Q6K => header(format) + ROWS * SUB,
         _ => ROWS * format.block_bytes(),
     }
 }
@@ -142,18 +159,20 @@ pub(crate) fn repack(
     {
         let (p, o) = (r / ROWS, r % ROWS);
         for (b, block) in row.chunks_exact(bb).enumerate() {
-            heads.extend_from_slice(&block[..hb]);
+            heads.extend_from_slice(&block[head(format)]);
             for s in 0..per_block {
                 let sub = &mut panels[(p * subs + b * per_block + s) * sb..][..sb];
                 match format {
-                    QuantFormat::Q4K => {
+                    QuantFormat::Q4K | QuantFormat::Q6K => {
                         let sc = format.scales(block, s);
-                        let offset = match sc.offset {
+                        // Q4_K: scale and offset; Q6_K: its halves' scales (the offsets are
+                        // −32 × those, applied to the integer sums).
+                        let second = match sc.offset {
                             super::qformat::Offset::Whole(m) => m,
-                            _ => 0.0,
+                            _ => sc.scale[1],
                         };
                         sub[4 * o..4 * o + 4].copy_from_slice(&sc.scale[0].to_le_bytes());
-                        sub[32 + 4 * o..32 + 4 * o + 4].copy_from_slice(&offset.to_le_bytes());
+                        sub[32 + 4 * o..32 + 4 * o + 4].copy_from_slice(&second.to_le_bytes());
                     }
                     _ => {
                         sub[2 * o..2 * o + 2].copy_from_slice(&block[..2]);
@@ -196,7 +215,7 @@ pub(crate) fn file_block(
     let hb = head_bytes(format);
     if hb > 0 {
         let blocks = k / format.block_len();
-        block[..hb].copy_from_slice(&heads[(r * blocks + b) * hb..][..hb]);
+        block[head(format)].copy_from_slice(&heads[(r * blocks + b) * hb..][..hb]);
     }
     for s in 0..per_block {
         let sub = &panels[(p * subs + b * per_block + s) * sb..][..sb];
@@ -212,6 +231,14 @@ pub(crate) fn file_block(
                 QuantFormat::Q8_0 => block[2 + i] = v as u8,
                 // Sub-block s: the low (even s) or high nibbles of 32 bytes after the head.
                 QuantFormat::Q4K => block[16 + 32 * (s / 2) + i] |= (v as u8) << (4 * (s % 2)),
+                // Sub-block s = 4·half + quarter: low 4 bits in `ql`, high 2 in `qh` (as
+                // `QuantFormat::values` reads them).
+                QuantFormat::Q6K => {
+                    let (half, quarter) = (s / 4, s % 4);
+                    let v = v as u8;
+                    block[64 * half + 32 * (quarter % 2) + i] |= (v & 0x0f) << (4 * (quarter / 2));
+                    block[128 + 32 * half + i] |= (v >> 4) << (2 * quarter);
+                }
                 _ => {
                     let qs = format.block_bytes() - 16;
                     block[qs + i % 16] |= (v as u8) << (4 * (i / 16));
@@ -226,7 +253,7 @@ pub(crate) fn file_block(
 #[inline(always)]
 fn code_at(format: QuantFormat, o: usize, i: usize) -> (usize, bool) {
     match format {
-        QuantFormat::Q8_0 => (32 * (i / 4) + 4 * o + i % 4, false),
+        QuantFormat::Q8_0 | QuantFormat::Q6K => (32 * (i / 4) + 4 * o + i % 4, false),
         _ => {
             let (t, within) = (i / 8, i % 8);
             (32 * t + 4 * o + within % 4, within >= 4)
@@ -241,16 +268,18 @@ fn panel_value(format: QuantFormat, sub: &[u8], o: usize, i: usize) -> i32 {
     let byte = sub[header(format) + at];
     match format {
         QuantFormat::Q8_0 => byte as i8 as i32,
+        QuantFormat::Q6K => byte as i32,
         _ if high => (byte >> 4) as i32,
         _ => (byte & 0x0f) as i32,
     }
 }
 
-/// Scale and offset of panel row `o` in a sub-block (offset 0 for Q8_0).
+/// Scale and offset of panel row `o` in a sub-block (offset 0 for Q8_0; for Q6_K the scales
+/// of its two halves).
 #[inline(always)]
 fn scale_offset(format: QuantFormat, sub: &[u8], o: usize) -> (f32, f32) {
     let f32_at = |at: usize| f32::from_le_bytes([sub[at], sub[at + 1], sub[at + 2], sub[at + 3]]);
-    if format == QuantFormat::Q4K {
+    if matches!(format, QuantFormat::Q4K | QuantFormat::Q6K) {
         return (f32_at(4 * o), f32_at(32 + 4 * o));
     }
     let d = f16_at(sub, 2 * o);
@@ -277,6 +306,15 @@ pub(crate) unsafe fn tile(
     tile: &mut Tile,
 ) {
     macro_rules! rows {
+        // Formats with two sums per row (Q8_0's 32-bit lanes, Q6_K's halves): 4 rows at most.
+        ($kernel:ident, $f:literal, four) => {
+            match m {
+                4 => $kernel::<$f, 4>(panel, acts, j, tile),
+                3 => $kernel::<$f, 3>(panel, acts, j, tile),
+                2 => $kernel::<$f, 2>(panel, acts, j, tile),
+                _ => $kernel::<$f, 1>(panel, acts, j, tile),
+            }
+        };
         ($kernel:ident, $f:literal) => {
             match m {
                 6 => $kernel::<$f, 6>(panel, acts, j, tile),
@@ -292,12 +330,8 @@ pub(crate) unsafe fn tile(
                 QuantFormat::Q4_0 => rows!($kernel, 0),
                 QuantFormat::Q4_1 => rows!($kernel, 1),
                 QuantFormat::Q4K => rows!($kernel, 3),
-                _ => match m {
-                    4 => $kernel::<2, 4>(panel, acts, j, tile),
-                    3 => $kernel::<2, 3>(panel, acts, j, tile),
-                    2 => $kernel::<2, 2>(panel, acts, j, tile),
-                    _ => $kernel::<2, 1>(panel, acts, j, tile),
-                },
+                QuantFormat::Q6K => rows!($kernel, 4, four),
+                _ => rows!($kernel, 2, four),
             }
         };
     }
@@ -347,17 +381,19 @@ pub(crate) unsafe fn wide_tile(
             QuantFormat::Q4_0 => rows!(0),
             QuantFormat::Q4_1 => rows!(1),
             QuantFormat::Q4K => rows!(3),
+            QuantFormat::Q6K => rows!(4),
             _ => rows!(2),
         }
     }
 }
 
 /// The panel formats by index (a constant the compiler folds into each kernel instance).
-const FORMATS: [QuantFormat; 4] = [
+const FORMATS: [QuantFormat; 5] = [
     QuantFormat::Q4_0,
     QuantFormat::Q4_1,
     QuantFormat::Q8_0,
     QuantFormat::Q4K,
+    QuantFormat::Q6K,
 ];
 
 /// The reference kernel: the module's arithmetic one output at a time.
@@ -375,6 +411,17 @@ fn portable_tile<const F: usize, const M: usize>(
             let mut acc = 0f32;
             for n in 0..subs {
                 let sub = &panel[n * sb..][..sb];
+                if format == QuantFormat::Q6K {
+                    let (a, c) = scale_offset(format, sub, o);
+                    let dx = acts.d[(j + m) * subs + n];
+                    for (h, scale) in [a, c].into_iter().enumerate() {
+                        let dot: i32 = (16 * h..16 * h + 16)
+                            .map(|i| (panel_value(format, sub, o, i) - 32) * x[n * SUB + i] as i32)
+                            .sum();
+                        acc = (dot as f32).mul_add(scale * dx, acc);
+                    }
+                    continue;
+                }
                 let dot: i32 = (0..SUB)
                     .map(|i| panel_value(format, sub, o, i) * x[n * SUB + i] as i32)
                     .sum();
@@ -445,6 +492,35 @@ mod x86 {
                 }
                 let codes = sub.add(header(format));
                 let x0 = n * SUB;
+                if format == QuantFormat::Q6K {
+                    // Each half of 16 weights from its bias (−32 · Σ q_x) on: the exact
+                    // Σ (q − 32) · q_x, then scaled by the half's own scale.
+                    let bias = acts.half_bias.as_ptr().add(2 * n * stride + j);
+                    let mut halves = [[_mm256_setzero_si256(); M]; 2];
+                    for half in 0..2 {
+                        for m in 0..M {
+                            halves[half][m] = _mm256_set1_epi32(*bias.add(half * stride + m));
+                        }
+                        for i in 4 * half..4 * half + 4 {
+                            let w = _mm256_loadu_si256(codes.add(32 * i).cast());
+                            for m in 0..M {
+                                let pairs = _mm256_maddubs_epi16(w, four(xq, m * k + x0 + 4 * i));
+                                let quads = _mm256_madd_epi16(pairs, ones);
+                                halves[half][m] = _mm256_add_epi32(halves[half][m], quads);
+                            }
+                        }
+                    }
+                    for (half, at) in [0usize, 32].into_iter().enumerate() {
+                        let d = _mm256_loadu_ps(sub.add(at).cast());
+                        for m in 0..M {
+                            let scale =
+                                _mm256_mul_ps(d, _mm256_broadcast_ss(&*dx.add(m * subs + n)));
+                            let sum = _mm256_cvtepi32_ps(halves[half][m]);
+                            acc[m] = _mm256_fmadd_ps(sum, scale, acc[m]);
+                        }
+                    }
+                    continue;
+                }
                 // Exact integer dot products, one 32-bit lane per panel row.
                 let mut dots = [_mm256_setzero_si256(); M];
                 if format == QuantFormat::Q8_0 {
@@ -575,6 +651,32 @@ mod x86 {
                     _mm_prefetch::<_MM_HINT_T1>(sb_.wrapping_add(WIDE_PREFETCH + 64 * line).cast());
                 }
                 let x0 = n * SUB;
+                if format == QuantFormat::Q6K {
+                    // As the AVX2 kernel: each half from its bias on, scaled on its own.
+                    let bias = acts.half_bias.as_ptr().add(2 * n * stride + j);
+                    let mut halves = [[_mm512_setzero_si512(); M]; 2];
+                    for half in 0..2 {
+                        for m in 0..M {
+                            halves[half][m] = _mm512_set1_epi32(*bias.add(half * stride + m));
+                        }
+                        for i in 4 * half..4 * half + 4 {
+                            let w = join(sa, sb_, h + 32 * i);
+                            for m in 0..M {
+                                let x = four_wide(xq, m * k + x0 + 4 * i);
+                                halves[half][m] = _mm512_dpbusd_epi32(halves[half][m], w, x);
+                            }
+                        }
+                    }
+                    for (half, at) in [0usize, 32].into_iter().enumerate() {
+                        let d = join_f32(sa, sb_, at);
+                        for m in 0..M {
+                            let scale = _mm512_mul_ps(d, _mm512_set1_ps(*dx.add(m * subs + n)));
+                            let sum = _mm512_cvtepi32_ps(halves[half][m]);
+                            acc[m] = _mm512_fmadd_ps(sum, scale, acc[m]);
+                        }
+                    }
+                    continue;
+                }
                 let mut dots = [_mm512_setzero_si512(); M];
                 if format == QuantFormat::Q8_0 {
                     for m in 0..M {
@@ -634,12 +736,7 @@ mod tests {
 
     #[test]
     fn panels_give_back_the_file_blocks() {
-        for format in [
-            QuantFormat::Q4_0,
-            QuantFormat::Q4_1,
-            QuantFormat::Q8_0,
-            QuantFormat::Q4K,
-        ] {
+        for format in QuantFormat::ALL {
             let (rows, k) = (13, 3 * format.block_len());
             let blocks = k / format.block_len();
             let data = test_blocks(format, rows * blocks, 4);
