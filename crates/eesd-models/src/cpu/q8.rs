@@ -20,8 +20,6 @@ pub struct Q8Rows {
     pub(crate) d: Vec<f32>,
     /// `d · Σ q` per sub-block, transposed `[k / 32][stride]` (zero past `rows`).
     pub(crate) sum: Vec<f32>,
-    /// `d · Σ q` per half sub-block, transposed `[k / 32][2][stride]`.
-    pub(crate) half: Vec<f32>,
     /// The exact `Σ q` per sub-block, transposed `[k / 32][stride]` (zero past `rows`): the
     /// VNNI kernel's correction for Q8_0 weights it reads as unsigned (`w + 128`).
     pub(crate) int_sum: Vec<i32>,
@@ -45,8 +43,6 @@ impl Q8Rows {
         self.d.resize(rows * subs, 0.0);
         self.sum.clear();
         self.sum.resize(subs * stride, 0.0);
-        self.half.clear();
-        self.half.resize(subs * 2 * stride, 0.0);
         self.int_sum.clear();
         self.int_sum.resize(subs * stride, 0);
         self.half_bias.clear();
@@ -64,8 +60,6 @@ impl Q8Rows {
                 let (a, c) = (sum(&q[..16]), sum(&q[16..]));
                 self.int_sum[s * stride + r] = a + c;
                 self.sum[s * stride + r] = d * (a + c) as f32;
-                self.half[(2 * s) * stride + r] = d * a as f32;
-                self.half[(2 * s + 1) * stride + r] = d * c as f32;
                 self.half_bias[(2 * s) * stride + r] = -32 * a;
                 self.half_bias[(2 * s + 1) * stride + r] = -32 * c;
             }

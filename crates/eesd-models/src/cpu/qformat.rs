@@ -101,11 +101,6 @@ impl QuantFormat {
         }
     }
 
-    /// Whether the integer values are signed (the kernel multiplies by sign instead).
-    pub(crate) const fn signed(self) -> bool {
-        matches!(self, Self::Q8_0)
-    }
-
     /// Scales and offset of sub-block `s` of block `b`.
     #[inline(always)]
     pub(crate) fn scales(self, b: &[u8], s: usize) -> SubScales {

@@ -5,35 +5,18 @@
 //! Why: decoding streams every weight once per token; in Q4_1 that is 5 bits per weight
 //! instead of 32, and a block of rows reads each weight block once for all of them.
 //!
-//! Q4_0, Q4_1 and Q8_0 are regrouped at load into panels of 8 rows (module `qpanel`, whose
-//! kernel serves 8 outputs per instruction); the K-quants stay in the file's row-major blocks.
-//!
-//! Batch invariance of the row-major kernel: output `(j, o)` is, for each sub-block `n` of 32
-//! in order, the exact integer dot product of the codes in 8 lanes of 4, each lane accumulated
-//! in f32 as `acc = fma(dot, s_w · d_x, acc)`, the offsets in their own chain
-//! `c = fma(m_w, d_x·Σq_x, c)`, and finally `y = ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)) + c`.
-//! Nothing there depends on the block size, the row grouping, the thread or the instruction set
-//! (the portable path computes the same operations one lane at a time), so a block's rows equal
-//! the rows computed alone, bit for bit.
+//! Every format (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) is regrouped at load into panels of 8 rows
+//! (module `qpanel`, whose kernels serve 8 or 16 outputs per instruction and fix each output's
+//! arithmetic whatever the block size, row grouping, thread or instruction set: a block's rows
+//! equal the rows computed alone, bit for bit).
 
 use super::huge_pages::HugeBuf;
 use super::isa::Isa;
 use super::matmul::{ShapeError, row_groups};
 use super::pool::Pool;
 use super::q8::Q8Rows;
-use super::qformat::{Offset, QuantFormat, SUB};
+use super::qformat::{QuantFormat, SUB};
 use super::qpanel;
-use std::borrow::Cow;
-
-/// Activation rows per register tile (AVX2: 2 outputs × 4 rows = 8 accumulators).
-const MAX_ROWS: usize = 4;
-
-/// Output rows per tile.
-const OUTS: usize = 2;
-
-/// How far ahead of the weights being read the kernel prefetches, in bytes: enough lines in
-/// flight to keep memory busy (the hardware prefetchers alone reach a third of the bandwidth).
-const PREFETCH: usize = 1536;
 
 /// A weight matrix `[out, k]` in GGUF blocks, rows front to back, as stacked parts that may
 /// use different formats (a fused q/k/v projection of a mixed-quantization file).
@@ -105,17 +88,12 @@ impl QuantMatrix {
                 k,
             });
         }
-        let (data, heads) = if qpanel::supports(format) {
-            let (panels, heads) = qpanel::repack(format, &data, rows, k);
-            (HugeBuf::from_slice(&panels), heads)
-        } else {
-            (HugeBuf::from_slice(&data), Vec::new())
-        };
+        let (panels, heads) = qpanel::repack(format, &data, rows, k);
         self.parts.push(Part {
             format,
             first: self.out,
             rows,
-            data,
+            data: HugeBuf::from_slice(&panels),
             heads,
         });
         self.out += rows;
@@ -143,23 +121,19 @@ impl QuantMatrix {
         self.parts.iter().map(|p| p.format).collect()
     }
 
-    /// The format and the file's bytes of output row `o` (rebuilt from its panel where the
-    /// part is stored in panels).
-    fn row(&self, o: usize) -> Option<(QuantFormat, Cow<'_, [u8]>)> {
+    /// The format and the file's bytes of output row `o`, rebuilt from its panel.
+    fn row(&self, o: usize) -> Option<(QuantFormat, Vec<u8>)> {
         let p = self
             .parts
             .iter()
             .find(|p| (p.first..p.first + p.rows).contains(&o))?;
         let (r, bb) = (o - p.first, p.format.block_bytes());
         let bytes = self.k / p.format.block_len() * bb;
-        if !qpanel::supports(p.format) {
-            return Some((p.format, Cow::Borrowed(&p.data[r * bytes..][..bytes])));
-        }
         let mut row = vec![0u8; bytes];
         for (b, block) in row.chunks_exact_mut(bb).enumerate() {
             qpanel::file_block(p.format, &p.data, &p.heads, self.k, r, b, block);
         }
-        Some((p.format, Cow::Owned(row)))
+        Some((p.format, row))
     }
 
     /// Output row `o` dequantized to f32 (by [`crate::quant::GgmlType::dequantize`], so the
@@ -214,7 +188,7 @@ impl QuantMatrix {
                     data.extend_from_slice(&bytes);
                     *rows += 1;
                 }
-                _ => runs.push((format, bytes.into_owned(), 1)),
+                _ => runs.push((format, bytes, 1)),
             }
         }
         for (format, data, rows) in runs {
@@ -266,12 +240,12 @@ impl QuantMatrix {
         let units: usize = self
             .parts
             .iter()
-            .map(|p| p.rows.div_ceil(unit_rows(isa, p.format)))
+            .map(|p| p.rows.div_ceil(unit_rows(isa)))
             .sum();
         pool.run_ranges(units, &|range| {
             let mut first = 0;
             for part in &self.parts {
-                let n = part.rows.div_ceil(unit_rows(isa, part.format));
+                let n = part.rows.div_ceil(unit_rows(isa));
                 let (a, z) = (range.start.max(first), range.end.min(first + n));
                 if a < z {
                     // SAFETY: tasks write disjoint output columns of `y`, which has
@@ -285,8 +259,8 @@ impl QuantMatrix {
 }
 
 /// Output rows per unit of work: one panel, or two where the wide kernel takes them at once.
-fn unit_rows(isa: Isa, format: QuantFormat) -> usize {
-    if qpanel::supports(format) && qpanel::wide(isa) {
+fn unit_rows(isa: Isa) -> usize {
+    if qpanel::wide(isa) {
         2 * qpanel::ROWS
     } else {
         qpanel::ROWS
@@ -307,13 +281,6 @@ unsafe fn part_units(
     y: *mut f32,
 ) {
     let (k, out) = (m.k, m.out);
-    if !qpanel::supports(part.format) {
-        let o0 = part.first + units.start * qpanel::ROWS;
-        let o1 = part.first + (units.end * qpanel::ROWS).min(part.rows);
-        // SAFETY: as this function's.
-        unsafe { part_rows(isa, part, k, acts, o0, o1, out, y) };
-        return;
-    }
     #[cfg(target_arch = "x86_64")]
     if qpanel::wide(isa) {
         // SAFETY: as this function's; the CPU has what the wide kernel needs.
@@ -397,344 +364,6 @@ thread_local! {
     static ACTS: std::cell::RefCell<Q8Rows> = std::cell::RefCell::new(Q8Rows::default());
 }
 
-/// Output rows `o0..o1` (inside `part`) against every activation row.
-///
-/// # Safety
-/// `y` holds `acts.rows · out` floats and no other thread writes columns `o0..o1`.
-#[allow(clippy::too_many_arguments)]
-unsafe fn part_rows(
-    isa: Isa,
-    part: &Part,
-    k: usize,
-    acts: &Q8Rows,
-    o0: usize,
-    o1: usize,
-    out: usize,
-    y: *mut f32,
-) {
-    let row_bytes = k / part.format.block_len() * part.format.block_bytes();
-    let groups = row_groups(acts.rows, MAX_ROWS);
-    let mut o = o0;
-    while o < o1 {
-        let outs = (o1 - o).min(OUTS);
-        let w = &part.data[(o - part.first) * row_bytes..][..outs * row_bytes];
-        for rows in groups.clone() {
-            let (j, m) = (rows.start, rows.len());
-            let mut tile = [[0f32; MAX_ROWS]; OUTS];
-            unsafe { tile_for(isa, part.format, w, row_bytes, outs, acts, j, m, &mut tile) };
-            for (r, tile_r) in tile.iter().enumerate().take(outs) {
-                for (i, &v) in tile_r.iter().enumerate().take(m) {
-                    unsafe { *y.add((j + i) * out + o + r) = v };
-                }
-            }
-        }
-        o += outs;
-    }
-}
-
-/// Dispatches one tile to the instruction set's kernel, monomorphised per format and size.
-///
-/// # Safety
-/// `isa` is supported; `w` holds `outs` rows of `row_bytes`; rows `j..j+m` exist in `acts`.
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile_for(
-    isa: Isa,
-    format: QuantFormat,
-    w: &[u8],
-    row_bytes: usize,
-    outs: usize,
-    acts: &Q8Rows,
-    j: usize,
-    m: usize,
-    tile: &mut [[f32; MAX_ROWS]; OUTS],
-) {
-    // One instance per format (the index into `QuantFormat::ALL`, a constant the compiler
-    // folds) and tile size.
-    macro_rules! sizes {
-        ($kernel:ident, $f:literal) => {
-            match (outs, m) {
-                (2, 4) => $kernel::<$f, 2, 4>(w, row_bytes, acts, j, tile),
-                (2, 3) => $kernel::<$f, 2, 3>(w, row_bytes, acts, j, tile),
-                (2, 2) => $kernel::<$f, 2, 2>(w, row_bytes, acts, j, tile),
-                (2, _) => $kernel::<$f, 2, 1>(w, row_bytes, acts, j, tile),
-                (_, 4) => $kernel::<$f, 1, 4>(w, row_bytes, acts, j, tile),
-                (_, 3) => $kernel::<$f, 1, 3>(w, row_bytes, acts, j, tile),
-                (_, 2) => $kernel::<$f, 1, 2>(w, row_bytes, acts, j, tile),
-                (_, _) => $kernel::<$f, 1, 1>(w, row_bytes, acts, j, tile),
-            }
-        };
-        ($kernel:ident) => {
-            match format {
-                QuantFormat::Q4_0 => sizes!($kernel, 0),
-                QuantFormat::Q4_1 => sizes!($kernel, 1),
-                QuantFormat::Q8_0 => sizes!($kernel, 2),
-                QuantFormat::Q4K => sizes!($kernel, 3),
-                QuantFormat::Q6K => sizes!($kernel, 4),
-            }
-        };
-    }
-    #[cfg(target_arch = "x86_64")]
-    if isa != Isa::Portable {
-        // SAFETY: the caller checked that the CPU has AVX2.
-        unsafe { sizes!(avx2_tile) };
-        return;
-    }
-    let _ = isa;
-    sizes!(portable_tile);
-}
-
-/// The 8-lane sum in the kernels' fixed order.
-#[inline(always)]
-fn lane_sum(l: [f32; 8]) -> f32 {
-    ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
-}
-
-/// The reference kernel: the same operations as the SIMD ones, one lane at a time.
-// Indexed loops keep the row/output/lane structure of the SIMD kernel visible.
-#[allow(clippy::needless_range_loop)]
-fn portable_tile<const F: usize, const R: usize, const M: usize>(
-    w: &[u8],
-    row_bytes: usize,
-    acts: &Q8Rows,
-    j: usize,
-    tile: &mut [[f32; MAX_ROWS]; OUTS],
-) {
-    let format = QuantFormat::ALL[F];
-    let (k, subs, stride) = (acts.k, acts.k / SUB, acts.stride);
-    let per_block = format.block_len() / SUB;
-    for r in 0..R {
-        let row = &w[r * row_bytes..][..row_bytes];
-        for m in 0..M {
-            let x = &acts.q[(j + m) * k..][..k];
-            let (mut acc, mut c) = ([0f32; 8], 0f32);
-            for n in 0..subs {
-                let block = &row[n / per_block * format.block_bytes()..][..format.block_bytes()];
-                let q = format.values(block, n % per_block);
-                let sc = format.scales(block, n % per_block);
-                let dx = acts.d[(j + m) * subs + n];
-                let xq = &x[n * SUB..][..SUB];
-                for (l, a) in acc.iter_mut().enumerate() {
-                    let dot: i32 = (4 * l..4 * l + 4).map(|e| q[e] * xq[e] as i32).sum();
-                    *a = (dot as f32).mul_add(sc.scale[l / 4] * dx, *a);
-                }
-                match sc.offset {
-                    Offset::None => {}
-                    Offset::Whole(o) => c = o.mul_add(acts.sum[n * stride + j + m], c),
-                    Offset::Halves(a, b) => {
-                        c = a.mul_add(acts.half[2 * n * stride + j + m], c);
-                        c = b.mul_add(acts.half[(2 * n + 1) * stride + j + m], c);
-                    }
-                }
-            }
-            tile[r][m] = lane_sum(acc) + c;
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-use x86::avx2_tile;
-
-#[cfg(target_arch = "x86_64")]
-mod x86 {
-    use super::super::qformat::{Offset, QuantFormat, SUB};
-    use super::{MAX_ROWS, OUTS, PREFETCH, Q8Rows};
-    use std::arch::x86_64::*;
-
-    /// 32 unsigned 4-bit values from 16 bytes: low nibbles, then high nibbles (the 16 bytes in
-    /// both halves, the upper half shifted right by 4).
-    #[inline(always)]
-    unsafe fn nibbles(p: *const u8) -> __m256i {
-        unsafe {
-            let b = _mm256_broadcastsi128_si256(_mm_loadu_si128(p.cast()));
-            let shifted = _mm256_srlv_epi64(b, _mm256_setr_epi64x(0, 0, 4, 4));
-            _mm256_and_si256(shifted, _mm256_set1_epi8(0x0f))
-        }
-    }
-
-    /// The 32 integer values of sub-block `s` of the block at `b` (as [`QuantFormat::values`]).
-    #[inline(always)]
-    unsafe fn values(format: QuantFormat, b: *const u8, s: usize) -> __m256i {
-        unsafe {
-            let low4 = _mm256_set1_epi8(0x0f);
-            match format {
-                QuantFormat::Q4_0 => nibbles(b.add(2)),
-                QuantFormat::Q4_1 => nibbles(b.add(4)),
-                QuantFormat::Q8_0 => _mm256_loadu_si256(b.add(2).cast()),
-                QuantFormat::Q4K => {
-                    let v = _mm256_loadu_si256(b.add(16 + 32 * (s / 2)).cast());
-                    match s % 2 {
-                        0 => _mm256_and_si256(v, low4),
-                        _ => _mm256_and_si256(_mm256_srli_epi16::<4>(v), low4),
-                    }
-                }
-                QuantFormat::Q6K => {
-                    let (half, quarter) = (s / 4, s % 4);
-                    let ql = _mm256_loadu_si256(b.add(64 * half + 32 * (quarter % 2)).cast());
-                    let qh = _mm256_loadu_si256(b.add(128 + 32 * half).cast());
-                    let lo = match quarter / 2 {
-                        0 => _mm256_and_si256(ql, low4),
-                        _ => _mm256_and_si256(_mm256_srli_epi16::<4>(ql), low4),
-                    };
-                    let hi = match quarter {
-                        0 => qh,
-                        1 => _mm256_srli_epi16::<2>(qh),
-                        2 => _mm256_srli_epi16::<4>(qh),
-                        _ => _mm256_srli_epi16::<6>(qh),
-                    };
-                    let hi = _mm256_slli_epi16::<4>(_mm256_and_si256(hi, _mm256_set1_epi8(3)));
-                    _mm256_or_si256(lo, hi)
-                }
-            }
-        }
-    }
-
-    /// The f16 at `p` as f32 in lane 0 (F16C; exact, as every conversion of an f16 is).
-    #[inline(always)]
-    unsafe fn f16_lane(p: *const u8) -> __m128 {
-        unsafe { _mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<u16>().read_unaligned() as i32)) }
-    }
-
-    /// Lane scales and offsets (broadcast) of sub-block `s` of the block at `b`: the values of
-    /// [`QuantFormat::scales`], computed with F16C instead of a call per f16.
-    #[inline(always)]
-    unsafe fn scales(format: QuantFormat, b: *const u8, s: usize) -> (__m256, Offset<__m128>) {
-        unsafe {
-            match format {
-                QuantFormat::Q4_0 => {
-                    let d = _mm_broadcastss_ps(f16_lane(b));
-                    let o = _mm_mul_ps(d, _mm_set1_ps(-8.0));
-                    (_mm256_broadcastss_ps(d), Offset::Whole(o))
-                }
-                QuantFormat::Q4_1 => {
-                    // d and m are adjacent: one conversion for both.
-                    let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(b.cast::<i32>().read_unaligned()));
-                    let m = _mm_shuffle_ps::<0b0101_0101>(dm, dm);
-                    (_mm256_broadcastss_ps(dm), Offset::Whole(m))
-                }
-                QuantFormat::Q8_0 => (_mm256_broadcastss_ps(f16_lane(b)), Offset::None),
-                QuantFormat::Q4K | QuantFormat::Q6K => {
-                    let block = std::slice::from_raw_parts(b, format.block_bytes());
-                    let sc = format.scales(block, s);
-                    let (a, c) = (_mm_set1_ps(sc.scale[0]), _mm_set1_ps(sc.scale[1]));
-                    let offset = match sc.offset {
-                        Offset::None => Offset::None,
-                        Offset::Whole(o) => Offset::Whole(_mm_set1_ps(o)),
-                        Offset::Halves(x, y) => Offset::Halves(_mm_set1_ps(x), _mm_set1_ps(y)),
-                    };
-                    (_mm256_set_m128(c, a), offset)
-                }
-            }
-        }
-    }
-
-    /// Lane sums `Σ w·x` over each 4 of the 32 values (exact in 32 bits: no 16-bit pair sum
-    /// exceeds 2·128·127).
-    #[inline(always)]
-    unsafe fn dot(format: QuantFormat, w: __m256i, x: __m256i) -> __m256i {
-        unsafe {
-            let pairs = if format.signed() {
-                _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
-            } else {
-                _mm256_maddubs_epi16(w, x)
-            };
-            _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn lane_sum(v: __m256) -> f32 {
-        unsafe {
-            let four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-            let two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-            _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps::<1>(two, two)))
-        }
-    }
-
-    /// AVX2 tile of `R` outputs × `M` rows (see the module's arithmetic contract).
-    ///
-    /// # Safety
-    /// The CPU has AVX2, FMA and F16C; `w` holds `R` rows of `row_bytes`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn avx2_tile<const F: usize, const R: usize, const M: usize>(
-        w: &[u8],
-        row_bytes: usize,
-        acts: &Q8Rows,
-        j: usize,
-        tile: &mut [[f32; MAX_ROWS]; OUTS],
-    ) {
-        unsafe { tile_impl::<R, M>(QuantFormat::ALL[F], w, row_bytes, acts, j, tile) }
-    }
-
-    #[inline(always)]
-    #[allow(clippy::needless_range_loop)]
-    unsafe fn tile_impl<const R: usize, const M: usize>(
-        format: QuantFormat,
-        w: &[u8],
-        row_bytes: usize,
-        acts: &Q8Rows,
-        j: usize,
-        tile: &mut [[f32; MAX_ROWS]; OUTS],
-    ) {
-        let (k, subs, stride) = (acts.k, acts.k / SUB, acts.stride);
-        let per_block = format.block_len() / SUB;
-        let block_bytes = format.block_bytes();
-        unsafe {
-            let mut acc = [[_mm256_setzero_ps(); M]; R];
-            // Offsets of rows j..j+4, one lane per row.
-            let mut c = [_mm_setzero_ps(); R];
-            let xq = acts.q.as_ptr().add(j * k);
-            let dx = acts.d.as_ptr().add(j * subs);
-            for n in 0..subs {
-                let (blk, s) = (n / per_block, n % per_block);
-                let mut wq = [_mm256_setzero_si256(); R];
-                let mut ws = [_mm256_setzero_ps(); R];
-                for r in 0..R {
-                    let block = w.as_ptr().add(r * row_bytes + blk * block_bytes);
-                    // The rows of a task are one stream; fetch well ahead of it (prefetches
-                    // never fault, past the end included). Each sub-block moves the address on
-                    // by its share of the block, so every line of a K-quant block (144 or 210
-                    // bytes, 8 sub-blocks) is fetched, not only its first (Q6_K: one row 13.3
-                    // -> 9.3 ms per forward of SmolLM2-sized layers, Q4_K 12.0 -> 11.8 ms; Zen
-                    // 5 EPYC).
-                    let ahead = w.as_ptr().add(r * row_bytes + n * block_bytes / per_block);
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(PREFETCH).cast());
-                    wq[r] = values(format, block, s);
-                    let (scale, offset) = scales(format, block, s);
-                    ws[r] = scale;
-                    match offset {
-                        Offset::None => {}
-                        Offset::Whole(o) => {
-                            let xs = _mm_loadu_ps(acts.sum.as_ptr().add(n * stride + j));
-                            c[r] = _mm_fmadd_ps(o, xs, c[r]);
-                        }
-                        Offset::Halves(a, b) => {
-                            let xa = _mm_loadu_ps(acts.half.as_ptr().add(2 * n * stride + j));
-                            let xb = _mm_loadu_ps(acts.half.as_ptr().add((2 * n + 1) * stride + j));
-                            c[r] = _mm_fmadd_ps(a, xa, c[r]);
-                            c[r] = _mm_fmadd_ps(b, xb, c[r]);
-                        }
-                    }
-                }
-                for m in 0..M {
-                    let x = _mm256_loadu_si256(xq.add(m * k + n * SUB).cast());
-                    let d = _mm256_broadcast_ss(&*dx.add(m * subs + n));
-                    for r in 0..R {
-                        let dots = _mm256_cvtepi32_ps(dot(format, wq[r], x));
-                        acc[r][m] = _mm256_fmadd_ps(dots, _mm256_mul_ps(ws[r], d), acc[r][m]);
-                    }
-                }
-            }
-            for r in 0..R {
-                let mut offsets = [0f32; 4];
-                _mm_storeu_ps(offsets.as_mut_ptr(), c[r]);
-                for m in 0..M {
-                    tile[r][m] = lane_sum(acc[r][m]) + offsets[m];
-                }
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -758,7 +387,6 @@ mod tests {
         for format in QuantFormat::ALL {
             let k = 2 * format.block_len();
             for out in [1, 2, 5, 16] {
-                let row_bytes = k / format.block_len() * format.block_bytes();
                 let m = QuantMatrix::new(
                     format,
                     blocks(format, out * k / format.block_len(), 3),
@@ -766,12 +394,10 @@ mod tests {
                     k,
                 )
                 .unwrap();
-                let held = if qpanel::supports(format) {
+                assert_eq!(
+                    m.bytes(),
                     out.div_ceil(8) * (k / SUB) * qpanel::sub_bytes(format)
-                } else {
-                    out * row_bytes
-                };
-                assert_eq!(m.bytes(), held);
+                );
                 let w = m.dequantize();
                 let bytes = blocks(format, out * k / format.block_len(), 3);
                 let want_w = format.ggml().dequantize("t", &bytes, out * k).unwrap();

@@ -82,18 +82,6 @@ pub(crate) fn wide(isa: super::Isa) -> bool {
     }
 }
 
-/// Whether `format` is stored in panels.
-pub(crate) const fn supports(format: QuantFormat) -> bool {
-    matches!(
-        format,
-        QuantFormat::Q4_0
-            | QuantFormat::Q4_1
-            | QuantFormat::Q8_0
-            | QuantFormat::Q4K
-            | QuantFormat::Q6K
-    )
-}
-
 /// The bytes of each file block that a panel does not keep as they are (Q4_K's leading `d`,
 /// `dmin` and packed 6-bit scales, Q6_K's trailing 8-bit scales and `d`; the panels hold
 /// their f32 products), kept aside per block to give the file's blocks back.
