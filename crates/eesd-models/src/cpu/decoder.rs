@@ -19,6 +19,7 @@ use super::flex::flex_f32;
 use super::matmul::ShapeError;
 use super::packed::PackedWeight;
 use super::pool::Pool;
+use super::q8::{Q8Rows, RowWriter};
 use super::qmatmul::QuantMatrix;
 use super::rows::{rms_norm, rope, silu_mul};
 use eesd_core::TreeMask;
@@ -82,11 +83,24 @@ enum Product {
 }
 
 impl Product {
-    fn matmul(&self, x: &[f32], y: &mut [f32]) -> std::result::Result<(), ShapeError> {
-        match self {
-            Product::Packed(m) => m.matmul(x, y),
-            Product::Quantized(m) => m.matmul(x, y),
+    /// `y = x · wᵀ`; for quantized weights from `acts` where the rows of `x` were quantized
+    /// as they were made.
+    fn matmul(
+        &self,
+        x: &[f32],
+        acts: Option<&Q8Rows>,
+        y: &mut [f32],
+    ) -> std::result::Result<(), ShapeError> {
+        match (self, acts) {
+            (Product::Packed(m), _) => m.matmul(x, y),
+            (Product::Quantized(m), Some(acts)) => m.matmul_quantized(acts, y),
+            (Product::Quantized(m), None) => m.matmul(x, y),
         }
+    }
+
+    /// Whether the product reads 8-bit activation rows.
+    fn quantized(&self) -> bool {
+        matches!(self, Product::Quantized(_))
     }
 
     fn out(&self) -> usize {
@@ -140,6 +154,8 @@ struct Scratch {
     projected: Vec<f32>,
     gate_up: Vec<f32>,
     act: Vec<f32>,
+    /// The 8-bit rows of the next quantized product, made beside its input rows.
+    acts: Q8Rows,
 }
 
 thread_local! {
@@ -202,16 +218,22 @@ fn run(
         true => t,
         false => t.div_ceil(pool.threads() * 2).max(1),
     };
-    let product = |m: &Product, input: &[f32], y: &mut [f32]| -> Result<()> {
-        m.matmul(input, y)
+    let product = |m: &Product, input: &[f32], acts: Option<&Q8Rows>, y: &mut [f32]| {
+        m.matmul(input, acts, y)
             .map_err(|e| ModelError::InvalidArgument(e.to_string()))
     };
-    let norm_rows = |x: &[f32], gain: &[f32], out: &mut [f32]| {
+    // Normalised rows, each also quantized into `q8` by the task that made it (where the next
+    // product reads 8-bit rows): no pass over the block on one thread in between.
+    let norm_rows = |x: &[f32], gain: &[f32], out: &mut [f32], q8: Option<&RowWriter<'_>>| {
         pool.for_each_chunk(out, per_task * h, &|i, rows| {
             let first = i * per_task * h;
             for (r, o) in rows.chunks_exact_mut(h).enumerate() {
                 let at = first + r * h;
                 rms_norm(&x[at..at + h], gain, eps, o);
+                if let Some(q8) = q8 {
+                    // SAFETY: row `at / h` is this task's alone, below `t`.
+                    unsafe { q8.row(at / h, o) };
+                }
             }
         });
     };
@@ -223,13 +245,20 @@ fn run(
             projected,
             gate_up,
             act,
+            acts,
         } = scratch;
         // Attention half.
         let normed = sized(normed, t * h);
-        norm_rows(x, attn_norm, normed);
+        let quantized = w.wqkv.quantized();
+        norm_rows(
+            x,
+            attn_norm,
+            normed,
+            quantized.then(|| acts.writer(t, h)).as_ref(),
+        );
         let qkv_w = (nh + 2 * nkv) * d;
         let qkv = sized(qkv, t * qkv_w);
-        product(&w.wqkv, normed, qkv)?;
+        product(&w.wqkv, normed, quantized.then_some(&*acts), qkv)?;
         let attended = sized(attended, t * nh * d);
         for s in seqs.iter_mut() {
             let past = s.cache.as_ref().map_or(0, |c| c.len());
@@ -263,26 +292,38 @@ fn run(
             }
         }
         let projected = sized(projected, t * h);
-        product(&w.wo, attended, projected)?;
+        product(&w.wo, attended, None, projected)?;
         x.iter_mut()
             .zip(projected.iter())
             .for_each(|(a, b)| *a += b);
 
         // MLP half.
         if let Some((w_gate_up, w_down)) = &w.mlp {
-            norm_rows(x, mlp_norm, normed);
+            let quantized = w_gate_up.quantized();
+            norm_rows(
+                x,
+                mlp_norm,
+                normed,
+                quantized.then(|| acts.writer(t, h)).as_ref(),
+            );
             let ffn = w_gate_up.out() / 2;
             let gate_up = sized(gate_up, t * 2 * ffn);
-            product(w_gate_up, normed, gate_up)?;
+            product(w_gate_up, normed, quantized.then_some(&*acts), gate_up)?;
             let act = sized(act, t * ffn);
+            let quantized = w_down.quantized();
+            let q8 = quantized.then(|| acts.writer(t, ffn));
             pool.for_each_chunk(act, per_task * ffn, &|i, rows| {
                 let first = i * per_task;
                 for (r, out) in rows.chunks_exact_mut(ffn).enumerate() {
                     let gu = &gate_up[(first + r) * 2 * ffn..][..2 * ffn];
                     silu_mul(&gu[..ffn], &gu[ffn..], out);
+                    if let Some(q8) = &q8 {
+                        // SAFETY: row `first + r` is this task's alone, below `t`.
+                        unsafe { q8.row(first + r, out) };
+                    }
                 }
             });
-            product(w_down, act, projected)?;
+            product(w_down, act, quantized.then_some(&*acts), projected)?;
             x.iter_mut()
                 .zip(projected.iter())
                 .for_each(|(a, b)| *a += b);

@@ -5,7 +5,9 @@
 //! even), so a row's codes never depend on the other rows of its block: the kernel stays
 //! batch-invariant.
 
+use super::pool::Disjoint;
 use super::qformat::SUB;
+use std::marker::PhantomData;
 
 /// `b` rows of `k` activations as signed 8-bit codes with one f32 scale per sub-block.
 #[derive(Debug, Clone, Default)]
@@ -34,6 +36,18 @@ impl Q8Rows {
     pub fn quantize_into(&mut self, x: &[f32], k: usize) {
         debug_assert!(k.is_multiple_of(SUB) && x.len().is_multiple_of(k));
         let rows = x.len() / k;
+        let writer = self.writer(rows, k);
+        for (r, row) in x.chunks_exact(k).enumerate() {
+            // SAFETY: one row at a time, each below `rows`.
+            unsafe { writer.row(r, row) };
+        }
+    }
+
+    /// Room for `rows` rows of `k` values (`k` a multiple of 32), and a handle that quantizes
+    /// them one by one, from any thread: the rows a block's pieces produce in parallel tasks
+    /// (norms, gating) are quantized where they are made, not afterwards on one thread.
+    pub(crate) fn writer(&mut self, rows: usize, k: usize) -> RowWriter<'_> {
+        debug_assert!(k.is_multiple_of(SUB));
         let subs = k / SUB;
         let stride = rows.next_multiple_of(4) + 4;
         self.k = k;
@@ -47,22 +61,16 @@ impl Q8Rows {
         self.int_sum.resize(subs * stride, 0);
         self.half_bias.clear();
         self.half_bias.resize(subs * 2 * stride, 0);
-        for r in 0..rows {
-            quantize_row(
-                &x[r * k..(r + 1) * k],
-                &mut self.q[r * k..(r + 1) * k],
-                &mut self.d[r * subs..(r + 1) * subs],
-            );
-            for s in 0..subs {
-                let q = &self.q[r * k + s * SUB..][..SUB];
-                let d = self.d[r * subs + s];
-                let sum = |q: &[i8]| q.iter().map(|&v| v as i32).sum::<i32>();
-                let (a, c) = (sum(&q[..16]), sum(&q[16..]));
-                self.int_sum[s * stride + r] = a + c;
-                self.sum[s * stride + r] = d * (a + c) as f32;
-                self.half_bias[(2 * s) * stride + r] = -32 * a;
-                self.half_bias[(2 * s + 1) * stride + r] = -32 * c;
-            }
+        RowWriter {
+            q: Disjoint(self.q.as_mut_ptr()),
+            d: Disjoint(self.d.as_mut_ptr()),
+            sum: Disjoint(self.sum.as_mut_ptr()),
+            int_sum: Disjoint(self.int_sum.as_mut_ptr()),
+            half_bias: Disjoint(self.half_bias.as_mut_ptr()),
+            rows,
+            k,
+            stride,
+            _rows: PhantomData,
         }
     }
 
@@ -74,6 +82,49 @@ impl Q8Rows {
     /// Values per row.
     pub fn k(&self) -> usize {
         self.k
+    }
+}
+
+/// Writes the rows of a [`Q8Rows`] sized by [`Q8Rows::writer`]; shared by the tasks that
+/// make the rows, each quantizing its own.
+pub(crate) struct RowWriter<'a> {
+    q: Disjoint<i8>,
+    d: Disjoint<f32>,
+    sum: Disjoint<f32>,
+    int_sum: Disjoint<i32>,
+    half_bias: Disjoint<i32>,
+    rows: usize,
+    k: usize,
+    stride: usize,
+    _rows: PhantomData<&'a mut Q8Rows>,
+}
+
+impl RowWriter<'_> {
+    /// Quantizes `x` (`k` values) as row `r`: the same codes, scales and sums whichever
+    /// thread runs it and whatever the other rows are.
+    ///
+    /// # Safety
+    /// `r` is below the writer's row count, and no other call writes row `r` at the same time.
+    pub(crate) unsafe fn row(&self, r: usize, x: &[f32]) {
+        let (k, stride) = (self.k, self.stride);
+        let subs = k / SUB;
+        debug_assert!(r < self.rows && x.len() == k);
+        // SAFETY: row r's codes and scales are its own slices; its sums are the elements
+        // `s · stride + r` (and `(2s + h) · stride + r`), which no other row touches.
+        unsafe {
+            let q = std::slice::from_raw_parts_mut(self.q.ptr().add(r * k), k);
+            let d = std::slice::from_raw_parts_mut(self.d.ptr().add(r * subs), subs);
+            quantize_row(x, q, d);
+            for s in 0..subs {
+                let codes = &q[s * SUB..][..SUB];
+                let sum = |q: &[i8]| q.iter().map(|&v| v as i32).sum::<i32>();
+                let (a, c) = (sum(&codes[..16]), sum(&codes[16..]));
+                *self.int_sum.ptr().add(s * stride + r) = a + c;
+                *self.sum.ptr().add(s * stride + r) = d[s] * (a + c) as f32;
+                *self.half_bias.ptr().add(2 * s * stride + r) = -32 * a;
+                *self.half_bias.ptr().add((2 * s + 1) * stride + r) = -32 * c;
+            }
+        }
     }
 }
 

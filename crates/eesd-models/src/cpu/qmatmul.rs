@@ -231,6 +231,24 @@ impl QuantMatrix {
         Ok(())
     }
 
+    /// `y = x · wᵀ` for rows already quantized into `acts` (by [`Q8Rows::quantize_into`] or
+    /// a [`Q8Rows::writer`]), on the process-wide [`Pool`] with the detected [`Isa`]: the same
+    /// bits as [`QuantMatrix::matmul`] on the rows they came from.
+    pub(crate) fn matmul_quantized(&self, acts: &Q8Rows, y: &mut [f32]) -> Result<(), ShapeError> {
+        if acts.k != self.k || acts.rows.checked_mul(self.out) != Some(y.len()) {
+            return Err(ShapeError::Operands {
+                x: acts.rows * acts.k,
+                y: y.len(),
+                out: self.out,
+                k: self.k,
+            });
+        }
+        if acts.rows > 0 {
+            self.matmul_q8(Isa::detect(), Pool::global(), acts, y);
+        }
+        Ok(())
+    }
+
     /// The product with already quantized rows (`acts.k() == self.k()`, `y: [rows, out]`).
     fn matmul_q8(&self, isa: Isa, pool: &Pool, acts: &Q8Rows, y: &mut [f32]) {
         let isa = isa.supported();
