@@ -43,7 +43,7 @@ const LINE: usize = 64;
 
 /// How many steps of the inner dimension ahead the first row group also prefetches each panel
 /// into L2 (12 KiB of an f32 panel, 6 KiB of f16): the next-chunk prefetch alone is issued too
-/// late to cover memory latency on a host whose memory is slow to answer (a 2-core Zen 5 EPYC
+/// late to cover memory latency on a host whose memory is slow to answer (a 2-core Zen 4 EPYC
 /// VM: f32 one row 17.7 → 16.9 ms, 8 rows 20.4 → 17.7 ms; f16 8 rows −3–5%; 128–320 steps
 /// alike).
 const FAR_STEPS: usize = 192;

@@ -441,7 +441,7 @@ mod x86 {
     /// ahead into L1 left a core waiting on memory (one row: 19-24 GB/s of a measured 35-63).
     /// Prefetching 8 KiB ahead (the latency of memory at a core's share of the bandwidth) into
     /// L2 took one forward of SmolLM2's Q4_1 layers alone from 3.3 to 2.2 ms for one row, and the
-    /// whole model from 5.1 to 3.6 ms (1 row), 7.9 to 6.4 ms (8 rows) on a Zen 5 EPYC (plateau
+    /// whole model from 5.1 to 3.6 ms (1 row), 7.9 to 6.4 ms (8 rows) on a Zen 4 EPYC VM (plateau
     /// from 6 to 16 KiB; the L1 prefetchers take it from L2 on).
     const WIDE_PREFETCH: usize = 8192;
 
