@@ -46,17 +46,15 @@ enum Backing {
     Empty,
     /// The global allocator, with this layout.
     Heap(Layout),
-    /// An anonymous mapping of this many bytes at `ptr` (Linux).
-    #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
-    Mapped(usize),
-    /// A slice of a shared region, kept mapped while this buffer lives (held for its drop,
-    /// never read).
+    /// A mapping of its own (2 MiB or more) or a slice of a shared region, kept mapped while
+    /// this buffer lives (held for its drop, never read; Linux).
     #[allow(dead_code)]
-    Shared(Arc<Region>),
+    Mapped(Arc<Region>),
 }
 
-/// A huge-page mapping that small buffers share ([`SHARED_MIN`]); unmapped when the last
-/// buffer in it is dropped.
+/// A huge-page mapping from [`map_huge`]: one large buffer's, or one that small buffers share
+/// ([`SHARED_MIN`]); unmapped when the last buffer in it is dropped.
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
 struct Region {
     start: NonNull<u8>,
     len: usize,
@@ -93,10 +91,7 @@ fn place_shared(bytes: usize) -> Option<(NonNull<u8>, Arc<Region>)> {
     });
     let (region, at) = match fits {
         Some(found) => found,
-        None => {
-            let (start, len) = map_huge(REGION)?;
-            (Arc::new(Region { start, len }), 0)
-        }
+        None => (Arc::new(map_huge(REGION)?), 0),
     };
     *current = Some((Arc::downgrade(&region), at + bytes));
     // SAFETY: `at + bytes ≤ region.len`: inside the mapping.
@@ -142,11 +137,11 @@ impl<T: Copy> HugeBuf<T> {
             };
         };
         #[cfg(target_os = "linux")]
-        if let Some((ptr, mapped)) = (bytes >= HUGE).then(|| map_huge(bytes)).flatten() {
+        if let Some(region) = (bytes >= HUGE).then(|| map_huge(bytes)).flatten() {
             return HugeBuf {
-                ptr: ptr.cast(),
+                ptr: region.start.cast(),
                 len,
-                backing: Backing::Mapped(mapped),
+                backing: Backing::Mapped(Arc::new(region)),
             };
         }
         #[cfg(target_os = "linux")]
@@ -159,7 +154,7 @@ impl<T: Copy> HugeBuf<T> {
             return HugeBuf {
                 ptr: ptr.cast(),
                 len,
-                backing: Backing::Shared(region),
+                backing: Backing::Mapped(region),
             };
         }
         let layout = Layout::array::<T>(len).expect("capacity overflow");
@@ -177,10 +172,9 @@ impl<T: Copy> HugeBuf<T> {
 }
 
 /// A fresh anonymous mapping of at least `bytes` bytes starting on a 2 MiB boundary, its whole
-/// huge pages advised as such: the start and the mapped length, or `None` if the OS refuses
-/// (the caller then uses the heap).
+/// huge pages advised as such, or `None` if the OS refuses (the caller then uses the heap).
 #[cfg(target_os = "linux")]
-fn map_huge(bytes: usize) -> Option<(NonNull<u8>, usize)> {
+fn map_huge(bytes: usize) -> Option<Region> {
     const PAGE: usize = 4096;
     let len = bytes.next_multiple_of(PAGE);
     let reserve = len.checked_add(HUGE)?;
@@ -213,25 +207,18 @@ fn map_huge(bytes: usize) -> Option<(NonNull<u8>, usize)> {
         // A hint: refused (THP off) it changes nothing.
         libc::madvise(aligned as *mut libc::c_void, whole, libc::MADV_HUGEPAGE);
     }
-    NonNull::new(aligned as *mut u8).map(|p| (p, len))
+    NonNull::new(aligned as *mut u8).map(|start| Region { start, len })
 }
 
 impl<T> Drop for HugeBuf<T> {
     fn drop(&mut self) {
         match &self.backing {
             // The region unmaps itself when its last buffer goes.
-            Backing::Empty | Backing::Shared(_) => {}
+            Backing::Empty | Backing::Mapped(_) => {}
             // SAFETY: allocated with this layout in `uninit`.
             Backing::Heap(layout) => unsafe {
                 std::alloc::dealloc(self.ptr.as_ptr().cast(), *layout)
             },
-            #[cfg(target_os = "linux")]
-            // SAFETY: mapped with this length in `map_huge`, and not used after this.
-            Backing::Mapped(len) => unsafe {
-                libc::munmap(self.ptr.as_ptr().cast(), *len);
-            },
-            #[cfg(not(target_os = "linux"))]
-            Backing::Mapped(_) => {}
         }
     }
 }
@@ -305,7 +292,7 @@ mod tests {
             .collect();
         let shared = bufs
             .iter()
-            .filter(|b| matches!(b.backing, Backing::Shared(_)))
+            .filter(|b| matches!(b.backing, Backing::Mapped(_)))
             .count();
         assert!(
             shared == 0 || shared == bufs.len(),
