@@ -33,11 +33,11 @@ struct Part {
     /// First output row.
     first: usize,
     rows: usize,
-    /// The blocks, in panels for the formats `qpanel` takes, else as in the file; on huge
-    /// pages where the OS offers them ([`super::huge_pages`]).
+    /// The blocks in panels ([`qpanel`]); on huge pages where the OS offers them
+    /// ([`super::huge_pages`]).
     data: HugeBuf<u8>,
-    /// The file blocks' heads that the panels do not keep ([`qpanel::head_bytes`]; Q4_K), to
-    /// give the file's blocks back; never read by the kernels.
+    /// The file blocks' heads that the panels do not keep ([`qpanel::head_bytes`]; Q4_K,
+    /// Q6_K), to give the file's blocks back; never read by the kernels.
     heads: Vec<u8>,
 }
 
@@ -111,7 +111,8 @@ impl QuantMatrix {
     }
 
     /// Bytes the kernels read (the file's bytes, plus the padding of a last panel of fewer
-    /// than 8 rows; for Q4_K panels 24 bytes per 32 weights where the file has 18).
+    /// than 8 rows; Q4_K panels hold 24 bytes per 32 weights where the file has 18, Q6_K 40
+    /// where it has 26.25).
     pub fn bytes(&self) -> usize {
         self.parts.iter().map(|p| p.data.len()).sum()
     }

@@ -1,6 +1,6 @@
-//! Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights regrouped once at load into *panels* of 8 output rows, so
-//! that one 256-bit register holds 4 consecutive codes of each of the 8 rows and every integer
-//! multiply, conversion and scaling serves 8 outputs at once.
+//! Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights regrouped once at load into *panels* of 8 output
+//! rows, so that one 256-bit register holds 4 consecutive codes of each of the 8 rows and every
+//! integer multiply, conversion and scaling serves 8 outputs at once.
 //!
 //! Why: in the file's row-major blocks, each (output, activation row, sub-block of 32) costs
 //! its own `maddubs`, `madd`, conversion, scale product and FMA, so a block of 8 or 16 rows
@@ -99,7 +99,8 @@ pub(crate) const fn head_bytes(format: QuantFormat) -> usize {
     range.end - range.start
 }
 
-/// Activation rows per kernel call for `format` (Q8_0 keeps 32-bit sums per row: fewer fit).
+/// Activation rows per kernel call for `format` (Q8_0 keeps 32-bit sums per row, Q6_K two:
+/// fewer fit).
 pub(crate) const fn max_acts(format: QuantFormat) -> usize {
     match format {
         QuantFormat::Q8_0 | QuantFormat::Q6K => 4,
@@ -117,7 +118,8 @@ const fn header(format: QuantFormat) -> usize {
 }
 
 /// Bytes of one panel sub-block: 8 rows × the file's bytes per 32 weights (Q4_K: f32 scales
-/// and offsets, then 16 bytes of codes per row).
+/// and offsets, then 16 bytes of codes per row; Q6_K: f32 scales of both halves, then 32
+/// bytes of codes per row).
 pub(crate) const fn sub_bytes(format: QuantFormat) -> usize {
     match format {
         QuantFormat::Q4K => header(format) + ROWS * 16,
@@ -126,8 +128,8 @@ pub(crate) const fn sub_bytes(format: QuantFormat) -> usize {
     }
 }
 
-/// Rows `[rows, k]` in the file's blocks (`format` supported, `k` a multiple of its block
-/// length, `data` of matching length) as panels, and the file blocks' heads that the panels do
+/// Rows `[rows, k]` in the file's blocks (`k` a multiple of the format's block length, `data`
+/// of matching length) as panels, and the file blocks' heads that the panels do
 /// not keep ([`head_bytes`] per block, row-major; empty for most formats).
 pub(crate) fn repack(
     format: QuantFormat,
@@ -184,8 +186,8 @@ pub(crate) fn repack(
     (panels, heads)
 }
 
-/// The file's block `b` of row `r` (of the part), rebuilt from its panels (and for Q4_K its
-/// head kept aside, `heads` as [`repack`] gave them) into `block` (`format.block_bytes()`
+/// The file's block `b` of row `r` (of the part), rebuilt from its panels (and for the
+/// K-quants its head kept aside, `heads` as [`repack`] gave them) into `block` (`format.block_bytes()`
 /// long).
 pub(crate) fn file_block(
     format: QuantFormat,
