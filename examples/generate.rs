@@ -10,13 +10,13 @@
 
 use std::io::Write;
 use std::ops::ControlFlow;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Parser;
 use eesd::bandit::Policy;
 use eesd::core::Drafter;
-use eesd::core::drafters::{DrafterSpec, DrafterState, HeadDrafter};
+use eesd::core::drafters::{DrafterSpec, HeadDrafter};
 use eesd::core::{Backend, GenerationConfig, GenerationOutput, Generator, Mode, SamplingParams};
 use eesd::models::{AnyHead, LoadOptions, LoadedModel, NormHead, TextStream, WeightDType, fetch};
 
@@ -25,7 +25,8 @@ mod heads;
 #[path = "common/ngrams.rs"]
 mod ngrams;
 use eesd::models::{
-    file_sha256, load_layer_head, load_lookahead_head, read_metadata, write_atomically,
+    SavedDrafterState, file_sha256, load_layer_head, load_lookahead_head, read_drafter_state,
+    read_metadata, write_drafter_state,
 };
 
 #[derive(Parser, Debug)]
@@ -123,35 +124,6 @@ fn summary(out: &GenerationOutput, text: &str, device: Backend) -> serde_json::V
     })
 }
 
-/// A `--drafter-state` file: the drafter's state and what it was learnt with.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct SavedDrafterState {
-    /// SHA-256 of the model file whose verifications taught it.
-    model_sha256: String,
-    /// The drafter spec that saved it.
-    drafter: String,
-    state: DrafterState,
-}
-
-/// The state saved at `path` (`None` when there is no file yet), refused when another model
-/// taught it.
-fn read_drafter_state(path: &Path, sha: &str) -> Result<Option<DrafterState>> {
-    let bytes = match std::fs::read(path) {
-        Ok(bytes) => bytes,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
-    };
-    let saved: SavedDrafterState = serde_json::from_slice(&bytes)
-        .with_context(|| format!("{} is not a drafter state file", path.display()))?;
-    anyhow::ensure!(
-        saved.model_sha256 == sha,
-        "{} was learnt with another model (SHA-256 {}); give another file or remove it",
-        path.display(),
-        saved.model_sha256
-    );
-    Ok(Some(saved.state))
-}
-
 fn main() -> Result<()> {
     let args = Args::parse();
     let device = args.device.device()?;
@@ -236,9 +208,9 @@ fn main() -> Result<()> {
         None => args.drafter.build_with(vocab, store.as_ref()),
     };
     if let Some(path) = &args.drafter_state
-        && let Some(state) = read_drafter_state(path, &sha)?
+        && let Some(saved) = read_drafter_state(path, Some(&sha))?
     {
-        drafter.restore(state).with_context(|| {
+        drafter.restore(saved.state).with_context(|| {
             format!("restoring drafter {} from {}", args.drafter, path.display())
         })?;
     }
@@ -338,8 +310,7 @@ fn main() -> Result<()> {
             drafter: args.drafter.to_string(),
             state,
         };
-        write_atomically(path, &serde_json::to_vec(&saved)?)
-            .with_context(|| format!("writing drafter state {}", path.display()))?;
+        write_drafter_state(path, &saved)?;
     }
     Ok(())
 }

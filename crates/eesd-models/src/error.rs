@@ -121,6 +121,25 @@ pub enum ModelError {
     /// A head checkpoint made for another base model, exit layer or architecture.
     #[error("checkpoint does not fit this model: {0}")]
     HeadMismatch(String),
+    /// A drafter state file that cannot be parsed (see [`crate::drafter_state`]).
+    #[error("malformed drafter state {path}: {reason}")]
+    MalformedDrafterState {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A drafter state learnt with another model file.
+    #[error(
+        "drafter state {path} was learnt with another model file (SHA-256 {found}); give \
+         another file or remove it"
+    )]
+    DrafterStateMismatch {
+        /// The file.
+        path: PathBuf,
+        /// The SHA-256 it records.
+        found: String,
+    },
     /// A failure reading a tensor back from the device.
     #[error("tensor data: {0}")]
     TensorData(String),

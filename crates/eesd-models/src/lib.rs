@@ -15,6 +15,7 @@ pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod cpu;
+pub mod drafter_state;
 pub mod error;
 pub mod fetch;
 pub mod file_bytes;
@@ -39,6 +40,7 @@ pub use checkpoint::{
     save_layer_head, write_atomically,
 };
 pub use config::{Llama3RopeScaling, LlamaConfig};
+pub use drafter_state::{SavedDrafterState, read_drafter_state, write_drafter_state};
 pub use error::{ModelError, Result};
 pub use gguf::{GgufFile, GgufTensorInfo, GgufValue};
 pub use heads::{
