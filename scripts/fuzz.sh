@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 seconds=${1:?usage: scripts/fuzz.sh SECONDS [TARGET...]}
 shift
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(gguf hf_dir tokenizer_json chat_template head_checkpoint train_state)
+[ ${#targets[@]} -gt 0 ] || targets=(gguf hf_dir tokenizer_json chat_template head_checkpoint drafter_state train_state)
 runs=${FUZZ_RUNS:--1}
 # FUZZ_QUICK_BUILD=1 (CI): fuzz/Cargo.toml's dev profile (opt-level 1, no debug info); the
 # same profile for build and run, or cargo fuzz run would build again.

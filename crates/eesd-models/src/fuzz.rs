@@ -192,6 +192,45 @@ fn device() -> Device {
     Device::default()
 }
 
+/// Vocabulary of the drafters a fuzzed drafter state is restored into.
+const DRAFT_VOCAB: usize = 64;
+
+/// Drafters that keep a state, as `DrafterSpec`s (a matrix, the adaptive tree's rates, and the
+/// parts of a fusion and of a Thompson Sampling choice).
+const STATEFUL_DRAFTERS: [&str; 4] = ["recycle@8", "opt@8", "fused@8:4", "ts:opt@8|recycle@4"];
+
+/// A drafter state file (`generate --drafter-state`), restored into each kind of drafter that
+/// keeps one, which then drafts, observes the target and hands its state back.
+pub fn drafter_state(data: &[u8]) {
+    let Some(dir) = scratch_dir("drafter-state") else {
+        return;
+    };
+    let path = dir.join("state.json");
+    if std::fs::write(&path, data).is_err() {
+        return;
+    }
+    let Ok(Some(saved)) = crate::read_drafter_state(&path, None) else {
+        return;
+    };
+    for spec in STATEFUL_DRAFTERS {
+        let Ok(spec) = spec.parse::<eesd_core::drafters::DrafterSpec>() else {
+            continue;
+        };
+        let mut drafter = spec.build(DRAFT_VOCAB);
+        if drafter.restore(saved.state.clone()).is_err() {
+            continue;
+        }
+        let context = [1, 2, 3, 1, 2, (DRAFT_VOCAB - 1) as u32];
+        let tree = drafter.propose(&context, 8);
+        assert!(
+            tree.tokens().iter().all(|&t| (t as usize) < DRAFT_VOCAB),
+            "a restored drafter proposed a token outside its vocabulary"
+        );
+        drafter.observe(2, &[3, 4], &[1.0, 0.5]);
+        let _ = drafter.state();
+    }
+}
+
 /// A directory of this thread for the files of a multi-file input, reused between its inputs.
 /// Per thread, not per process: tests run in threads of one process, and two of them writing
 /// the same files at once would read each other's half-renamed files.
@@ -238,12 +277,13 @@ fn exercise_model(loaded: &LoadedModel) {
 }
 
 /// The fuzz targets of this crate, by name (the train-state target lives in `eesd-train`).
-pub const TARGETS: [&str; 5] = [
+pub const TARGETS: [&str; 6] = [
     "gguf",
     "hf_dir",
     "tokenizer_json",
     "chat_template",
     "head_checkpoint",
+    "drafter_state",
 ];
 
 /// Runs the target called `name` on `data`; `false` when there is no such target here.
@@ -254,6 +294,7 @@ pub fn run(name: &str, data: &[u8]) -> bool {
         "tokenizer_json" => tokenizer_json(data),
         "chat_template" => chat_template(data),
         "head_checkpoint" => head_checkpoint(data),
+        "drafter_state" => drafter_state(data),
         _ => return false,
     }
     true
@@ -425,6 +466,29 @@ pub fn seeds(target: &str, real_gguf: Option<&[u8]>) -> crate::Result<Vec<(Strin
                     kind.name().into(),
                     join_parts(&[&read(&json)?, &read(&st)?]),
                 ));
+            }
+        }
+        "drafter_state" => {
+            // Each kind of state, learnt from a few observations, as `generate` saves it.
+            for name in STATEFUL_DRAFTERS {
+                let Ok(spec) = name.parse::<eesd_core::drafters::DrafterSpec>() else {
+                    continue;
+                };
+                let mut drafter = spec.build(DRAFT_VOCAB);
+                for t in 0..12u32 {
+                    drafter.observe(t, &[t + 1, t + 2, 7], &[3.0, 2.0, 1.0]);
+                }
+                if let Some(state) = drafter.state() {
+                    let saved = crate::SavedDrafterState {
+                        model_sha256: "0".repeat(64),
+                        drafter: name.into(),
+                        state,
+                    };
+                    let bytes = serde_json::to_vec(&saved).map_err(|e| {
+                        crate::ModelError::InvalidArgument(format!("drafter state seed: {e}"))
+                    })?;
+                    out.push((name.replace(['@', ':', '|'], "-"), bytes));
+                }
             }
         }
         _ => {}
