@@ -199,6 +199,14 @@ const DRAFT_VOCAB: usize = 64;
 /// parts of a fusion and of a Thompson Sampling choice).
 const STATEFUL_DRAFTERS: [&str; 4] = ["recycle@8", "opt@8", "fused@8:4", "ts:opt@8|recycle@4"];
 
+/// Each of [`STATEFUL_DRAFTERS`], fresh, for a vocabulary of [`DRAFT_VOCAB`], with its spec.
+fn stateful_drafters() -> impl Iterator<Item = (&'static str, Box<dyn eesd_core::Drafter + Send>)> {
+    STATEFUL_DRAFTERS.into_iter().filter_map(|name| {
+        let spec = name.parse::<eesd_core::drafters::DrafterSpec>().ok()?;
+        Some((name, spec.build(DRAFT_VOCAB)))
+    })
+}
+
 /// A drafter state file (`generate --drafter-state`), restored into each kind of drafter that
 /// keeps one, which then drafts, observes the target and hands its state back.
 pub fn drafter_state(data: &[u8]) {
@@ -212,11 +220,7 @@ pub fn drafter_state(data: &[u8]) {
     let Ok(Some(saved)) = crate::read_drafter_state(&path, None) else {
         return;
     };
-    for spec in STATEFUL_DRAFTERS {
-        let Ok(spec) = spec.parse::<eesd_core::drafters::DrafterSpec>() else {
-            continue;
-        };
-        let mut drafter = spec.build(DRAFT_VOCAB);
+    for (_, mut drafter) in stateful_drafters() {
         if drafter.restore(saved.state.clone()).is_err() {
             continue;
         }
@@ -470,11 +474,7 @@ pub fn seeds(target: &str, real_gguf: Option<&[u8]>) -> crate::Result<Vec<(Strin
         }
         "drafter_state" => {
             // Each kind of state, learnt from a few observations, as `generate` saves it.
-            for name in STATEFUL_DRAFTERS {
-                let Ok(spec) = name.parse::<eesd_core::drafters::DrafterSpec>() else {
-                    continue;
-                };
-                let mut drafter = spec.build(DRAFT_VOCAB);
+            for (name, mut drafter) in stateful_drafters() {
                 for t in 0..12u32 {
                     drafter.observe(t, &[t + 1, t + 2, 7], &[3.0, 2.0, 1.0]);
                 }
