@@ -129,8 +129,8 @@ pub(crate) const fn sub_bytes(format: QuantFormat) -> usize {
 }
 
 /// Rows `[rows, k]` in the file's blocks (`k` a multiple of the format's block length, `data`
-/// of matching length) as panels, and the file blocks' heads that the panels do
-/// not keep ([`head_bytes`] per block, row-major; empty for most formats).
+/// of matching length) as panels, and the file blocks' heads that the panels do not keep
+/// ([`head_bytes`] per block, row-major; empty for most formats).
 pub(crate) fn repack(
     format: QuantFormat,
     data: &[u8],
@@ -187,8 +187,8 @@ pub(crate) fn repack(
 }
 
 /// The file's block `b` of row `r` (of the part), rebuilt from its panels (and for the
-/// K-quants its head kept aside, `heads` as [`repack`] gave them) into `block` (`format.block_bytes()`
-/// long).
+/// K-quants its head kept aside, `heads` as [`repack`] gave them) into `block`
+/// (`format.block_bytes()` long).
 pub(crate) fn file_block(
     format: QuantFormat,
     panels: &[u8],
