@@ -16,13 +16,15 @@
 //! (metadata: base model SHA-256, layer, vocabulary, config, metrics).
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Result, bail};
 use clap::Parser;
 use eesd::core::{Backend, DraftHead, SamplingParams};
-use eesd::models::{HeadKind, LayerHead, Llama, LoadOptions, LoadedModel, VocabSubset, fetch};
+use eesd::models::{
+    HeadKind, LayerHead, Llama, LoadOptions, LoadedModel, VocabSubset, fetch, load_layer_head,
+};
 use eesd::train::checkpoint::FORMAT_VERSION;
 use eesd::train::{
     AnswerConfig, AnswerPrompt, DistillConfig, Distiller, EvalMetrics, HeadMetadata, LineIndex,
@@ -56,7 +58,15 @@ struct Args {
     /// layer for a lookahead head reading layer L).
     #[arg(long)]
     init_layer: Option<usize>,
-    /// Draft vocabulary size (0 = full vocabulary).
+    /// Start from a trained head (checkpoint prefix, e.g. `assets/heads/smollm2-135m-instruct`)
+    /// instead of a copy of a model layer: its weights and draft vocabulary, fresh optimizer
+    /// moments and learning-rate schedule (fine-tuning, or more training for a head whose run
+    /// state is gone). It must be a `--head` head at the one `--exit-layer`, made for this model
+    /// file.
+    #[arg(long)]
+    init_head: Option<PathBuf>,
+    /// Draft vocabulary size (0 = full vocabulary; ignored with `--init-head`, whose vocabulary
+    /// is kept).
     #[arg(long, default_value_t = 8192)]
     vocab: usize,
     /// Training prompts (jsonl with a `prompt` field).
@@ -382,6 +392,7 @@ fn main() -> Result<()> {
         batches.len(),
         args.tokens_per_step
     );
+    let sha = file_sha256(&path)?;
     let mut layers = args.exit_layer.clone();
     layers.sort_unstable();
     layers.dedup();
@@ -397,7 +408,8 @@ fn main() -> Result<()> {
                 let stem = args.out.file_name().unwrap_or_default().to_string_lossy();
                 args.out.with_file_name(format!("{stem}-l{n}"))
             };
-            let mut run = HeadRun::start(&args, m, n, out, subset.as_ref(), &config, held_out)?;
+            let mut run =
+                HeadRun::start(&args, m, n, out, &sha, subset.as_ref(), &config, held_out)?;
             run.generation_seconds += generation_seconds;
             Ok(run)
         })
@@ -462,7 +474,6 @@ fn main() -> Result<()> {
     }
 
     // (4) Checkpoints.
-    let sha = file_sha256(&path)?;
     for mut run in runs {
         let after = run.distiller.evaluate(held_out, EVAL_K)?;
         let total = run.total();
@@ -494,7 +505,7 @@ fn main() -> Result<()> {
             hidden_size: m.config().hidden_size,
             vocab_subset: head.token_ids().map(<[u32]>::to_vec),
             training: serde_json::json!({
-                "distill": config, "init_layer": init, "prompts": args.num_prompts, "sequences": held_out.len() + train.len(), "sampled_per_prompt": args.sampled, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
+                "distill": config, "init_layer": args.init_head.is_none().then_some(init), "init_head": args.init_head.as_ref().map(|p| p.display().to_string()), "prompts": args.num_prompts, "sequences": held_out.len() + train.len(), "sampled_per_prompt": args.sampled, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
                 "held_out": held, "answer_tokens": args.answer_tokens, "tokens_per_step": args.tokens_per_step, "loss": format!("KL(teacher || student) over the draft vocabulary + {} x CE(greedy token)", args.ce_weight),
                 "exit_layers_trained_together": layers, "generation_seconds": run.generation_seconds, "train_tokens_per_second": train_tokens_per_second, "total_seconds": seconds,
             }),
@@ -507,6 +518,33 @@ fn main() -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The head saved under `prefix`, checked against the run's model file, head kind and exit
+/// layer (`--init-head`).
+fn trained_head(
+    args: &Args,
+    m: &Llama,
+    model_sha: &str,
+    exit_layer: usize,
+    prefix: &Path,
+) -> Result<LayerHead> {
+    let (head, meta) = load_layer_head(prefix, m, Some(model_sha))?;
+    if head.kind() != args.head || meta.exit_layer != exit_layer {
+        bail!(
+            "{} is a `{}` head at layer {}; this run trains a `{}` head at layer {exit_layer}",
+            prefix.display(),
+            meta.head_kind,
+            meta.exit_layer,
+            args.head.name()
+        );
+    }
+    eprintln!(
+        "layer {exit_layer}: starting from {} ({} draft tokens)",
+        prefix.display(),
+        head.token_ids().map_or(m.config().vocab_size, <[u32]>::len)
+    );
+    Ok(head)
 }
 
 /// Most sampled answers per prompt (`--sampled`).
@@ -533,11 +571,13 @@ struct HeadRun<'m> {
 impl<'m> HeadRun<'m> {
     /// A fresh head, or with `--resume` the state saved under `out` (configuration,
     /// evaluation history and time so far); `--resume` with no state yet starts over.
+    #[allow(clippy::too_many_arguments)]
     fn start(
         args: &Args,
         m: &'m Llama,
         exit_layer: usize,
         out: PathBuf,
+        model_sha: &str,
         subset: Option<&VocabSubset>,
         config: &DistillConfig,
         held_out: &[Sequence],
@@ -570,8 +610,13 @@ impl<'m> HeadRun<'m> {
             let generated = extra["generation_seconds"].as_f64().unwrap_or(0.0);
             (d, before, history, seconds, generated)
         } else {
-            let init = init_layer(args, m, exit_layer);
-            let head = LayerHead::from_model(m, args.head, exit_layer, init, subset)?;
+            let head = match &args.init_head {
+                Some(prefix) => trained_head(args, m, model_sha, exit_layer, prefix)?,
+                None => {
+                    let init = init_layer(args, m, exit_layer);
+                    LayerHead::from_model(m, args.head, exit_layer, init, subset)?
+                }
+            };
             let d = Distiller::new(m, head, config.clone())?;
             let before = d.evaluate(held_out, EVAL_K)?;
             (d, before, Vec::new(), 0.0, 0.0)

@@ -6,6 +6,7 @@
 //! [`ModelError`](crate::ModelError), never panic, hang or allocate beyond what the input's
 //! size justifies. Inputs that carry several files are split at [`PART_SEPARATOR`].
 
+use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 
 use burn::tensor::Device;
@@ -235,20 +236,38 @@ pub fn drafter_state(data: &[u8]) {
     }
 }
 
-/// A directory of this thread for the files of a multi-file input, reused between its inputs.
-/// Per thread, not per process: tests run in threads of one process, and two of them writing
-/// the same files at once would read each other's half-renamed files.
+/// A directory of this thread for the files of a multi-file input, reused between its inputs
+/// and removed with its files when the thread ends (for the main thread: when the process
+/// exits normally). Per thread, not per process: tests run in threads of one process, and two
+/// of them writing the same files at once would read each other's half-renamed files.
 pub fn scratch_dir(kind: &str) -> Option<PathBuf> {
     use std::sync::atomic::{AtomicUsize, Ordering};
     static THREADS: AtomicUsize = AtomicUsize::new(0);
     thread_local! {
         static THREAD: usize = THREADS.fetch_add(1, Ordering::Relaxed);
+        static MADE: RefCell<ScratchDirs> = const { RefCell::new(ScratchDirs(Vec::new())) };
     }
     let thread = THREAD.with(|t| *t);
     let dir =
         std::env::temp_dir().join(format!("eesd-fuzz-{}-{thread}-{kind}", std::process::id()));
     std::fs::create_dir_all(&dir).ok()?;
+    MADE.with_borrow_mut(|made| {
+        if !made.0.contains(&dir) {
+            made.0.push(dir.clone());
+        }
+    });
     Some(dir)
+}
+
+/// The scratch directories one thread made; dropped (with the thread) it removes them.
+struct ScratchDirs(Vec<PathBuf>);
+
+impl Drop for ScratchDirs {
+    fn drop(&mut self) {
+        for dir in &self.0 {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
 }
 
 fn remove_if_present(path: &Path) -> bool {

@@ -1,0 +1,181 @@
+//! `train_exit_head --init-head`: training continues from a saved head (its weights and draft
+//! vocabulary) instead of a copy of a model layer, and a head that does not fit the run is
+//! refused with a clear message.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// The example binary `cargo test` built beside this test (`target/<profile>/examples/`).
+fn train_exit_head() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().and_then(Path::parent).unwrap();
+    let path = profile_dir.join("examples").join("train_exit_head");
+    assert!(
+        path.exists(),
+        "{} is built by `cargo test --features train`",
+        path.display()
+    );
+    path
+}
+
+fn run(model: &Path, prompts: &Path, out: &Path, extra: &[&str]) -> Output {
+    Command::new(train_exit_head())
+        .arg("--model")
+        .arg(model)
+        .arg("--prompts")
+        .arg(prompts)
+        .arg("--out")
+        .arg(out)
+        .args([
+            "--exit-layer",
+            "1",
+            "--num-prompts",
+            "12",
+            "--answer-tokens",
+            "16",
+            "--held-out",
+            "3",
+            "--eval-every",
+            "1000",
+            "--save-every",
+            "0",
+            "--context-length",
+            "128",
+        ])
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+fn metadata(prefix: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(prefix.with_extension("json")).unwrap()).unwrap()
+}
+
+#[test]
+fn training_continues_from_a_saved_head_and_refuses_one_that_does_not_fit() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny.gguf");
+    eesd::models::testing::write_tiny_gguf(&model, &eesd::models::testing::tiny_config(), 3)
+        .unwrap();
+    let prompts = dir.path().join("prompts.jsonl");
+    let lines: Vec<String> = (0..12)
+        .map(|i| serde_json::json!({ "prompt": format!("Count to {i}, please.") }).to_string())
+        .collect();
+    std::fs::write(&prompts, lines.join("\n") + "\n").unwrap();
+    let data = dir.path().join("answers.jsonl");
+    let data = data.to_str().unwrap();
+
+    let first = dir.path().join("first");
+    // The first head starts from layer 0, so that it differs from the layer (1) a fresh head at
+    // exit layer 1 copies.
+    let first_args = [
+        "--init-layer",
+        "0",
+        "--steps",
+        "20",
+        "--vocab",
+        "48",
+        "--data",
+        data,
+    ];
+    let out = run(&model, &prompts, &first, &first_args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let first_meta = metadata(&first);
+
+    // The continued run starts where the first one ended (its weights, saved in f16), not
+    // from the model's layer, and keeps the saved draft vocabulary (not `--vocab`'s 64).
+    let second = dir.path().join("second");
+    let init = [
+        "--init-head",
+        first.to_str().unwrap(),
+        "--steps",
+        "2",
+        "--lr",
+        "1e-7",
+    ];
+    let out = run(
+        &model,
+        &prompts,
+        &second,
+        &[&init[..], &["--data", data]].concat(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let second_meta = metadata(&second);
+    assert_eq!(second_meta["vocab_subset"], first_meta["vocab_subset"]);
+    assert_eq!(
+        second_meta["vocab_subset"].as_array().map(Vec::len),
+        Some(48)
+    );
+    let loaded = eesd::models::LoadedModel::load(
+        &model,
+        &eesd::core::Backend::Flex.device().unwrap(),
+        &Default::default(),
+    )
+    .unwrap();
+    let wqkv = |prefix: &Path| -> Vec<f32> {
+        let (head, _) = eesd::models::load_layer_head(prefix, &loaded.model, None).unwrap();
+        head.weights()
+            .layer
+            .wqkv
+            .val()
+            .into_data()
+            .try_into_vec::<f32>()
+            .unwrap()
+    };
+    let model_layer: Vec<f32> = loaded.model.layers()[1]
+        .wqkv
+        .val()
+        .into_data()
+        .try_into_vec::<f32>()
+        .unwrap();
+    let (a, b) = (wqkv(&first), wqkv(&second));
+    let most = |x: &[f32], y: &[f32]| {
+        x.iter()
+            .zip(y)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    };
+    assert!(
+        most(&a, &b) < 1e-3,
+        "moved {} from the saved head",
+        most(&a, &b)
+    );
+    assert!(most(&b, &model_layer) > 1e-2, "still the model's layer");
+    assert_eq!(
+        second_meta["training"]["init_head"].as_str(),
+        first.to_str()
+    );
+
+    // Another kind of head, another exit layer, another model file: refused, nothing written.
+    let other_model = dir.path().join("other.gguf");
+    eesd::models::testing::write_tiny_gguf(&other_model, &eesd::models::testing::tiny_config(), 4)
+        .unwrap();
+    for (model, extra, says) in [
+        (
+            &model,
+            &["--head", "adapter"][..],
+            "`layer` head at layer 1",
+        ),
+        (
+            &model,
+            &["--exit-layer", "2"][..],
+            "this run trains a `layer` head at layer 2",
+        ),
+        (&other_model, &[][..], "sha256"),
+    ] {
+        let refused = dir.path().join("refused");
+        let args = [&init[..], &["--data", data], extra].concat();
+        let out = run(model, &prompts, &refused, &args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(says), "{stderr}");
+        assert!(!refused.with_extension("safetensors").exists());
+    }
+}
