@@ -27,9 +27,9 @@ use eesd::models::{
 };
 use eesd::train::checkpoint::FORMAT_VERSION;
 use eesd::train::{
-    AnswerConfig, AnswerPrompt, DistillConfig, Distiller, EvalMetrics, HeadMetadata, LineIndex,
-    Sequence, Teacher, TrainError, file_sha256, generate_answers, pack, save_layer_head,
-    state_path,
+    AnswerConfig, AnswerPrompt, CacheOutcome, DistillConfig, Distiller, EvalMetrics, HeadMetadata,
+    LineIndex, Sequence, Teacher, TeacherCache, TrainError, file_sha256, generate_answers, pack,
+    save_layer_head, state_path,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -133,6 +133,12 @@ struct Args {
     /// can share one.
     #[arg(long)]
     data: Option<PathBuf>,
+    /// Keep the frozen model's states per training block in this directory, so that passes
+    /// after the first over the data skip its forward pass (most of a step on a CPU; the head
+    /// trained is the same, bit for bit). Costs 4 × hidden × (exit layers below the last + 1)
+    /// bytes per position: ≈ 4 GB for one head over SmolLM2's 1.7M tokens of answers.
+    #[arg(long)]
+    teacher_cache: Option<PathBuf>,
     /// Context the model is loaded with (bounds the caches; at most the model's own).
     #[arg(long, default_value_t = 2048)]
     context_length: usize,
@@ -178,14 +184,11 @@ fn main() -> Result<()> {
     let started = Instant::now();
     let path = fetch::resolve_model(args.model.as_deref())?;
     let device = args.device.device()?;
-    let lm = LoadedModel::load(
-        &path,
-        &device,
-        &LoadOptions {
-            context_length: Some(args.context_length),
-            ..Default::default()
-        },
-    )?;
+    let options = LoadOptions {
+        context_length: Some(args.context_length),
+        ..Default::default()
+    };
+    let lm = LoadedModel::load(&path, &device, &options)?;
     let m = &lm.model;
     if let Some(dir) = args.out.parent() {
         std::fs::create_dir_all(dir)?;
@@ -415,6 +418,15 @@ fn main() -> Result<()> {
         })
         .collect::<Result<Vec<_>>>()?;
     let total = runs.iter().map(|r| r.total()).max().unwrap_or(0);
+    let cache = args
+        .teacher_cache
+        .as_ref()
+        .map(|dir| {
+            let identity = format!("{sha} {:?} {:?}", args.device, options.dtype);
+            TeacherCache::open(dir, identity)
+        })
+        .transpose()?;
+    let mut cache_reads = 0;
     let bar = ProgressBar::new(total as u64);
     bar.set_style(ProgressStyle::with_template(
         "training {bar:40} {pos}/{len} loss {msg} [{elapsed_precise} < {eta_precise}]",
@@ -442,7 +454,16 @@ fn main() -> Result<()> {
             .filter(|r| r.distiller.step() == step && step < r.total())
             .map(|r| r.exit_layer)
             .collect();
-        let teacher = Teacher::new(m, &batch, &due)?;
+        // With a cache, every layer of the run is kept, so that the file serves any heads due.
+        let teacher = match &cache {
+            Some(cache) => {
+                let key = format!("block-{:06}", step % batches.len());
+                let (teacher, outcome) = cache.teacher(m, &key, &batch, &layers)?;
+                cache_reads += usize::from(outcome == CacheOutcome::Hit);
+                teacher
+            }
+            None => Teacher::new(m, &batch, &due)?,
+        };
         for run in runs.iter_mut().filter(|r| due.contains(&r.exit_layer)) {
             let loss = run.distiller.train_step_on(&teacher)?;
             let smooth = run.running.map_or(loss, |r| 0.95 * r + 0.05 * loss);
@@ -471,6 +492,13 @@ fn main() -> Result<()> {
     let train_tokens_per_second = trained as f64 / train_started.elapsed().as_secs_f64().max(1e-9);
     if trained > 0 {
         eprintln!("trained on {trained} tokens at {train_tokens_per_second:.0} tokens/s");
+    }
+    if let Some(dir) = &args.teacher_cache {
+        let steps = total - first_step.min(total);
+        eprintln!(
+            "teacher cache {}: {cache_reads} of {steps} steps read their block from it",
+            dir.display()
+        );
     }
 
     // (4) Checkpoints.

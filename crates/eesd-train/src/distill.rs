@@ -149,8 +149,12 @@ pub fn pack(lengths: &[usize], max_tokens: usize) -> Vec<Vec<usize>> {
 pub struct Teacher {
     /// The block's token ids.
     tokens: Vec<u32>,
-    /// Layer-N hidden states `[t, hidden]`, per exit layer N asked for.
+    /// Layer-N hidden states `[t, hidden]`, per exit layer N below the last one asked for.
     hidden: Vec<(usize, Tensor<2>)>,
+    /// The last layer's states `[t, hidden]` (before the final norm).
+    top: Tensor<2>,
+    /// The model's layer count.
+    layers: usize,
     /// Full-vocabulary logits `[t, vocab]`.
     logits: Tensor<2>,
     /// The full model's argmax at each position.
@@ -164,19 +168,8 @@ impl Teacher {
     /// keeping the hidden states after each of `exit_layers` (the last layer L included, for
     /// lookahead heads: the states before the final norm).
     pub fn new(model: &Llama, sequences: &[&[u32]], exit_layers: &[usize]) -> Result<Self> {
-        if sequences.is_empty() || sequences.iter().any(|s| s.len() < 2) {
-            return Err(TrainError::InvalidConfig(
-                "a training batch needs at least one sequence, each of at least 2 tokens".into(),
-            ));
-        }
+        let (tokens, lengths) = Self::block(model, sequences, exit_layers)?;
         let layers = model.num_layers();
-        if let Some(n) = exit_layers.iter().find(|&&n| n == 0 || n > layers) {
-            return Err(TrainError::InvalidConfig(format!(
-                "exit layer {n} of a model of {layers} layers"
-            )));
-        }
-        let tokens: Vec<u32> = sequences.concat();
-        let lengths: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
         let ctx = AttentionContext::packed(model.rope(), model.config(), &lengths)?;
         let mut x = model.embed(&tokens)?;
         let mut exits = exit_layers.to_vec();
@@ -189,10 +182,43 @@ impl Teacher {
             done = n;
         }
         let top = model.forward_packed(x, done..layers, &ctx)?;
-        if exits.last() == Some(&layers) {
-            hidden.push((layers, top.clone()));
+        Self::from_states(model, tokens, lengths, hidden, top)
+    }
+
+    /// The block's tokens and sequence lengths, once `sequences` and `exit_layers` are checked.
+    pub(crate) fn block(
+        model: &Llama,
+        sequences: &[&[u32]],
+        exit_layers: &[usize],
+    ) -> Result<(Vec<u32>, Vec<usize>)> {
+        if sequences.is_empty() || sequences.iter().any(|s| s.len() < 2) {
+            return Err(TrainError::InvalidConfig(
+                "a training batch needs at least one sequence, each of at least 2 tokens".into(),
+            ));
         }
-        let logits = model.logits(top);
+        let layers = model.num_layers();
+        if let Some(n) = exit_layers.iter().find(|&&n| n == 0 || n > layers) {
+            return Err(TrainError::InvalidConfig(format!(
+                "exit layer {n} of a model of {layers} layers"
+            )));
+        }
+        Ok((
+            sequences.concat(),
+            sequences.iter().map(|s| s.len()).collect(),
+        ))
+    }
+
+    /// The teacher of a block whose states after layers `hidden` (below the last) and after the
+    /// last layer (`top`) are known: the logits and greedy tokens follow from `top`, as in
+    /// [`Teacher::new`], bit for bit.
+    pub(crate) fn from_states(
+        model: &Llama,
+        tokens: Vec<u32>,
+        lengths: Vec<usize>,
+        hidden: Vec<(usize, Tensor<2>)>,
+        top: Tensor<2>,
+    ) -> Result<Self> {
+        let logits = model.logits(top.clone());
         let argmax = logits
             .clone()
             .argmax(1)
@@ -206,6 +232,8 @@ impl Teacher {
         Ok(Teacher {
             tokens,
             hidden,
+            top,
+            layers: model.num_layers(),
             logits,
             argmax,
             lengths,
@@ -217,7 +245,25 @@ impl Teacher {
         self.argmax.len()
     }
 
+    /// The block's token ids.
+    pub(crate) fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Lengths of the sequences packed in the block.
+    pub(crate) fn lengths(&self) -> &[usize] {
+        &self.lengths
+    }
+
+    /// The states after layers below the last, by layer, and the last layer's.
+    pub(crate) fn states(&self) -> (&[(usize, Tensor<2>)], &Tensor<2>) {
+        (&self.hidden, &self.top)
+    }
+
     fn hidden(&self, exit_layer: usize) -> Result<Tensor<2>> {
+        if exit_layer == self.layers {
+            return Ok(self.top.clone());
+        }
         self.hidden
             .iter()
             .find(|(n, _)| *n == exit_layer)

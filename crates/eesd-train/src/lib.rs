@@ -10,6 +10,8 @@
 //!   serves heads at several exit layers ([`Distiller::train_step_on`]).
 //! - [`jsonl`]: the append-only answer logs, cut clean after a kill and read a line at a time.
 //! - [`state`]: resumable training (head weights, optimizer moments, step).
+//! - [`teacher_cache`]: the frozen model's states per training block kept on disk, so that
+//!   passes after the first over the data skip its forward pass.
 
 #![warn(missing_docs)]
 
@@ -19,6 +21,7 @@ pub mod error;
 pub mod fuzz;
 pub mod jsonl;
 pub mod state;
+pub mod teacher_cache;
 
 pub use data::{AnswerConfig, AnswerPrompt, generate_answers};
 pub use distill::{DistillConfig, Distiller, EvalMetrics, Sequence, Teacher, pack};
@@ -28,3 +31,4 @@ pub use eesd_models::checkpoint::{
 pub use error::{Result, TrainError};
 pub use jsonl::{LineIndex, recover_jsonl};
 pub use state::{TrainingState, read_state, state_path};
+pub use teacher_cache::{CacheOutcome, TeacherCache};

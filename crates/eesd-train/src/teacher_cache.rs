@@ -1,0 +1,205 @@
+//! The frozen model's passes over the training blocks, kept on disk between passes over the data.
+//!
+//! Training goes over the same answers several times, and every step begins with a full forward
+//! pass of the frozen model over its block: most of a step's time on a CPU. A [`TeacherCache`]
+//! keeps, per block, the hidden states the heads read (after each exit layer below the last, and
+//! after the last layer, from which the logits and greedy tokens follow), so that later passes
+//! only compute the logits. A [`Teacher`] read back equals the one the forward pass gives, bit
+//! for bit, so a run with a cache trains exactly the head a run without one trains.
+//!
+//! One safetensors file per block (`KEY.safetensors`: the block's token ids, its states in f32,
+//! and in the metadata the sequence lengths and the teacher's identity, e.g. the model file's
+//! SHA-256 and weight format). A file that is missing, unreadable, for other tokens, another
+//! teacher or fewer layers is computed again and replaced; files are written under a scratch name
+//! and renamed, so a killed run leaves whole files or none. Size: `4 · hidden · (exit layers
+//! below the last + 1)` bytes per position (SmolLM2-135M, one lookahead head reading the last
+//! layer: 2.3 KB per position, ≈ 4 GB for 1.7M positions).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use burn::tensor::{Tensor, TensorData};
+use eesd_models::Llama;
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+
+use crate::distill::Teacher;
+use crate::error::{Result, TrainError};
+
+/// A directory of the frozen model's states per training block (see the module docs).
+#[derive(Debug, Clone)]
+pub struct TeacherCache {
+    dir: PathBuf,
+    identity: String,
+}
+
+/// Where a [`Teacher`] from [`TeacherCache::teacher`] came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheOutcome {
+    /// Read from its file.
+    Hit,
+    /// Computed by the model and stored (no file yet, or one that did not fit).
+    Stored,
+}
+
+impl TeacherCache {
+    /// The cache in `dir` (created if absent) for the teacher named `identity`: entries made
+    /// by another teacher (another model file, weight format or backend) are not used.
+    pub fn open(dir: &Path, identity: impl Into<String>) -> Result<Self> {
+        std::fs::create_dir_all(dir).map_err(|e| TrainError::io(dir, e))?;
+        Ok(TeacherCache {
+            dir: dir.to_path_buf(),
+            identity: identity.into(),
+        })
+    }
+
+    /// The teacher of block `key` (a file name: letters, digits, `-` and `_`) over `sequences`
+    /// with the states after `exit_layers`: read from its file when that holds these sequences
+    /// and layers from this teacher, else computed by [`Teacher::new`] and stored.
+    pub fn teacher(
+        &self,
+        model: &Llama,
+        key: &str,
+        sequences: &[&[u32]],
+        exit_layers: &[usize],
+    ) -> Result<(Teacher, CacheOutcome)> {
+        if key.is_empty()
+            || !key
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        {
+            return Err(TrainError::InvalidConfig(format!(
+                "teacher cache key `{key}`: use letters, digits, `-` and `_`"
+            )));
+        }
+        let (tokens, lengths) = Teacher::block(model, sequences, exit_layers)?;
+        let path = self.dir.join(format!("{key}.safetensors"));
+        let layers = model.num_layers();
+        let mut wanted: Vec<usize> = exit_layers
+            .iter()
+            .copied()
+            .filter(|&n| n < layers)
+            .collect();
+        wanted.sort_unstable();
+        wanted.dedup();
+        // A file that does not fit is no error: it is recomputed and replaced.
+        if let Ok(bytes) = std::fs::read(&path)
+            && let Some((hidden, top)) = self.parse(&bytes, model, &tokens, &lengths, &wanted)
+        {
+            let teacher = Teacher::from_states(model, tokens, lengths, hidden, top)?;
+            return Ok((teacher, CacheOutcome::Hit));
+        }
+        let teacher = Teacher::new(model, sequences, exit_layers)?;
+        self.store(&path, &teacher)?;
+        Ok((teacher, CacheOutcome::Stored))
+    }
+
+    /// The states of a stored block, if `bytes` are one for this teacher, `tokens`, `lengths`
+    /// and (at least) the layers `wanted`.
+    #[allow(clippy::type_complexity)]
+    fn parse(
+        &self,
+        bytes: &[u8],
+        model: &Llama,
+        tokens: &[u32],
+        lengths: &[usize],
+        wanted: &[usize],
+    ) -> Option<(Vec<(usize, Tensor<2>)>, Tensor<2>)> {
+        let (_, meta) = SafeTensors::read_metadata(bytes).ok()?;
+        let meta = meta.metadata().as_ref()?;
+        let stored_lengths: Vec<usize> = serde_json::from_str(meta.get("lengths")?).ok()?;
+        if meta.get("identity") != Some(&self.identity) || stored_lengths != lengths {
+            return None;
+        }
+        let st = SafeTensors::deserialize(bytes).ok()?;
+        let ids = st.tensor("tokens").ok()?;
+        let same_tokens = ids.dtype() == Dtype::U32
+            && ids.shape() == [tokens.len()]
+            && ids
+                .data()
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .eq(tokens.iter().copied());
+        if !same_tokens {
+            return None;
+        }
+        let shape = [tokens.len(), model.config().hidden_size];
+        let read = |name: &str| -> Option<Tensor<2>> {
+            let view = st.tensor(name).ok()?;
+            if view.dtype() != Dtype::F32 || view.shape() != shape {
+                return None;
+            }
+            let values: Vec<f32> = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            Some(Tensor::from_data(
+                TensorData::new(values, shape),
+                model.device(),
+            ))
+        };
+        let hidden = wanted
+            .iter()
+            .map(|&n| Some((n, read(&format!("layer.{n}"))?)))
+            .collect::<Option<Vec<_>>>()?;
+        Some((hidden, read("top")?))
+    }
+
+    /// Writes `teacher`'s block to `path` (under a scratch name, then renamed).
+    fn store(&self, path: &Path, teacher: &Teacher) -> Result<()> {
+        let f32_bytes = |t: &Tensor<2>| -> Result<Vec<u8>> {
+            let values = t
+                .clone()
+                .into_data()
+                .convert::<f32>()
+                .try_into_vec::<f32>()
+                .map_err(|e| TrainError::TensorData(format!("{e:?}")))?;
+            Ok(values.iter().flat_map(|v| v.to_le_bytes()).collect())
+        };
+        let (hidden, top) = teacher.states();
+        let mut data: Vec<(String, Vec<usize>, Dtype, Vec<u8>)> = vec![(
+            "tokens".into(),
+            vec![teacher.tokens().len()],
+            Dtype::U32,
+            teacher
+                .tokens()
+                .iter()
+                .flat_map(|t| t.to_le_bytes())
+                .collect(),
+        )];
+        for (name, t) in hidden
+            .iter()
+            .map(|(n, t)| (format!("layer.{n}"), t))
+            .chain([("top".to_string(), top)])
+        {
+            data.push((name, t.dims().to_vec(), Dtype::F32, f32_bytes(t)?));
+        }
+        let views = data
+            .iter()
+            .map(|(name, shape, dtype, bytes)| {
+                TensorView::new(*dtype, shape.clone(), bytes).map(|v| (name.clone(), v))
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| TrainError::TensorData(e.to_string()))?;
+        let lengths = serde_json::to_string(teacher.lengths())
+            .map_err(|e| TrainError::TensorData(e.to_string()))?;
+        let meta = HashMap::from([
+            ("identity".to_string(), self.identity.clone()),
+            ("lengths".to_string(), lengths),
+        ]);
+        let bytes = safetensors::serialize(views, Some(meta))
+            .map_err(|e| TrainError::TensorData(e.to_string()))?;
+        // No flush to the disk: a file torn by a crash does not parse and is recomputed.
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let scratch = path.with_file_name(format!(".{name}.{}.partial", std::process::id()));
+        std::fs::write(&scratch, &bytes)
+            .and_then(|()| std::fs::rename(&scratch, path))
+            .map_err(|e| {
+                let _ = std::fs::remove_file(&scratch);
+                TrainError::io(path, e)
+            })
+    }
+}
