@@ -17,6 +17,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::tensor::{Tensor, TensorData};
 use eesd_models::Llama;
@@ -81,8 +82,9 @@ impl TeacherCache {
             .collect();
         wanted.sort_unstable();
         wanted.dedup();
-        // A file that does not fit is no error: it is recomputed and replaced.
-        if let Ok(bytes) = std::fs::read(&path)
+        // A file that does not fit is no error: it is recomputed and replaced (a path that is
+        // not a regular file, e.g. a pipe, is not read: it would block).
+        if let Ok(bytes) = eesd_models::file_bytes::read(&path)
             && let Some((hidden, top)) = self.parse(&bytes, model, &tokens, &lengths, &wanted)
         {
             let teacher = Teacher::from_states(model, tokens, lengths, hidden, top)?;
@@ -194,7 +196,11 @@ impl TeacherCache {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        let scratch = path.with_file_name(format!(".{name}.{}.partial", std::process::id()));
+        // A name of its own per write: threads sharing the cache may store the same block.
+        static WRITES: AtomicU64 = AtomicU64::new(0);
+        let write = WRITES.fetch_add(1, Ordering::Relaxed);
+        let scratch =
+            path.with_file_name(format!(".{name}.{}-{write}.partial", std::process::id()));
         std::fs::write(&scratch, &bytes)
             .and_then(|()| std::fs::rename(&scratch, path))
             .map_err(|e| {
