@@ -2,21 +2,11 @@
 //! vocabulary) instead of a copy of a model layer, and a head that does not fit the run is
 //! refused with a clear message.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
-/// The example binary `cargo test` built beside this test (`target/<profile>/examples/`).
-fn train_exit_head() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(Path::parent).unwrap();
-    let path = profile_dir.join("examples").join("train_exit_head");
-    assert!(
-        path.exists(),
-        "{} is built by `cargo test --features train`",
-        path.display()
-    );
-    path
-}
+mod common;
+use common::train_exit_head;
 
 fn run(model: &Path, prompts: &Path, out: &Path, extra: &[&str]) -> Output {
     Command::new(train_exit_head())

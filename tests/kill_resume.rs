@@ -11,18 +11,8 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
-/// The example binary `cargo test` built beside this test (`target/<profile>/examples/`).
-fn train_exit_head() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(Path::parent).unwrap();
-    let path = profile_dir.join("examples").join("train_exit_head");
-    assert!(
-        path.exists(),
-        "{} is built by `cargo test --features train`",
-        path.display()
-    );
-    path
-}
+mod common;
+use common::train_exit_head;
 
 /// A training run's arguments; `out` is the output prefix.
 fn run_args(model: &Path, prompts: &Path, out: &Path, settings: &[&str]) -> Vec<String> {
