@@ -19,10 +19,10 @@ pub struct Verdict {
 }
 
 /// Greedy verification. `target_logits` has one row per drafted token plus the bonus row.
-pub fn accept_greedy(drafts: &[u32], target_logits: &[Vec<f32>]) -> Verdict {
+pub fn accept_greedy<R: AsRef<[f32]>>(drafts: &[u32], target_logits: &[R]) -> Verdict {
     debug_assert_eq!(target_logits.len(), drafts.len() + 1);
     for (i, &d) in drafts.iter().enumerate() {
-        let best = argmax(&target_logits[i]) as u32;
+        let best = argmax(target_logits[i].as_ref()) as u32;
         if best != d {
             return Verdict {
                 accepted: i,
@@ -32,7 +32,7 @@ pub fn accept_greedy(drafts: &[u32], target_logits: &[Vec<f32>]) -> Verdict {
     }
     Verdict {
         accepted: drafts.len(),
-        next: argmax(&target_logits[drafts.len()]) as u32,
+        next: argmax(target_logits[drafts.len()].as_ref()) as u32,
     }
 }
 

@@ -82,9 +82,9 @@ pub(crate) fn host(t: Tensor<2>) -> Result<Vec<f32>> {
         .map_err(|e| CoreError::TensorData(format!("{e:?}")))
 }
 
-/// Splits `[rows, n]` host data into rows.
-fn rows(data: Vec<f32>, n: usize) -> Vec<Vec<f32>> {
-    data.chunks(n.max(1)).map(<[f32]>::to_vec).collect()
+/// The rows of `[rows, n]` host data (views: a round's logits are megabytes).
+fn rows(data: &[f32], n: usize) -> Vec<&[f32]> {
+    data.chunks(n.max(1)).collect()
 }
 
 /// Softmax probability of `index` under `logits` at temperature 1 (the draft's confidence).
@@ -380,7 +380,8 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
             let top = m
                 .forward_layers(block, upper.clone(), &mut cache)
                 .map_err(model_err)?;
-            let target = rows(host(m.logits(top))?, m.vocab_size());
+            let logits = host(m.logits(top))?;
+            let target = rows(&logits, m.vocab_size());
             let Verdict { accepted, next } = if params.is_greedy() {
                 accept_greedy(&drafts, &target)
             } else {
@@ -472,7 +473,8 @@ fn run_tree<M: LayeredModel, F: FnMut(&[u32]) -> ControlFlow<()>>(
         if wanted > 0 {
             // What the target expects after the last prompt tokens seeds the drafter.
             let seen = (p - 1).min(PREFILL_OBSERVED_ROWS);
-            let logits = rows(host(m.logits(h.narrow(0, p - 1 - seen, seen)))?, vocab);
+            let logits = host(m.logits(h.narrow(0, p - 1 - seen, seen)))?;
+            let logits = rows(&logits, vocab);
             for (&token, row) in prompt[p - 1 - seen..].iter().zip(&logits) {
                 observe_row(drafter, token, row, &top_k(row, wanted));
             }
@@ -519,10 +521,11 @@ fn run_tree<M: LayeredModel, F: FnMut(&[u32]) -> ControlFlow<()>>(
             )
             .map_err(model_err)?;
         let h = rest_of_layers(m, states.clone(), split, &mut cache, Some(&mask))?;
-        let target = rows(host(m.logits(h))?, vocab);
+        let logits = host(m.logits(h))?;
+        let target = rows(&logits, vocab);
         let verdict = match params.is_greedy() {
-            true => accept_tree(&tree, |row| argmax(&target[row]) as u32),
-            false => accept_tree(&tree, |row| sampler.sample(&target[row], &params)),
+            true => accept_tree(&tree, |row| argmax(target[row]) as u32),
+            false => accept_tree(&tree, |row| sampler.sample(target[row], &params)),
         };
         let kept: Vec<usize> = std::iter::once(0)
             .chain(verdict.path.iter().map(|n| n + 1))
