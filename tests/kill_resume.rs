@@ -1,8 +1,9 @@
 //! Faults in long work: `train_exit_head` (answer generation, then training) is killed with
 //! SIGKILL at random moments and restarted with `--resume`, again and again until it finishes.
 //! The files it leaves after every kill must be readable, and the finished head must be the one
-//! an uninterrupted run writes, byte for byte. Also: an atomic write killed midway leaves the
-//! old file whole.
+//! an uninterrupted run writes, byte for byte (on the tiny model the killed run also keeps a
+//! teacher cache, which must not change the head). Also: an atomic write killed midway leaves
+//! the old file whole.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -184,8 +185,12 @@ fn a_run_killed_many_times_on_the_tiny_model_ends_like_an_uninterrupted_one() {
     // many times on a fast machine as on a slow one (a fixed 150 ms gave 12–19 kills here on
     // some days and more than 20 on others).
     let max_delay = started.elapsed() / 48;
+    // The killed run keeps the teacher's passes on disk (`--teacher-cache`): killed while it
+    // writes them too, it must still train exactly the head the straight run trains.
     let killed = dir.path().join("killed");
-    let args = run_args(&model, &prompts, &killed, &settings);
+    let mut args = run_args(&model, &prompts, &killed, &settings);
+    let cache = dir.path().join("teacher");
+    args.extend(["--teacher-cache".to_string(), cache.display().to_string()]);
     let kills = run_with_kills(&args, &killed, &layers, 5, max_delay);
     eprintln!("finished after {kills} kills");
     assert!(

@@ -11,7 +11,8 @@
 //! and in the metadata the sequence lengths and the teacher's identity, e.g. the model file's
 //! SHA-256 and weight format). A file that is missing, unreadable, for other tokens, another
 //! teacher or fewer layers is computed again and replaced; files are written under a scratch name
-//! and renamed, so a killed run leaves whole files or none. Size: `4 · hidden · (exit layers
+//! and renamed, so a killed run leaves whole files or none (and at most a `.partial` scratch
+//! file, never read). Size: `4 · hidden · (exit layers
 //! below the last + 1)` bytes per position (SmolLM2-135M, one lookahead head reading the last
 //! layer: 2.3 KB per position, ≈ 4 GB for 1.7M positions).
 
