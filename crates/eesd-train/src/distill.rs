@@ -149,12 +149,9 @@ pub fn pack(lengths: &[usize], max_tokens: usize) -> Vec<Vec<usize>> {
 pub struct Teacher {
     /// The block's token ids.
     tokens: Vec<u32>,
-    /// Layer-N hidden states `[t, hidden]`, per exit layer N below the last one asked for.
+    /// Layer-N hidden states `[t, hidden]` per exit layer N asked for, by layer, the last
+    /// layer's (before the final norm) always last.
     hidden: Vec<(usize, Tensor<2>)>,
-    /// The last layer's states `[t, hidden]` (before the final norm).
-    top: Tensor<2>,
-    /// The model's layer count.
-    layers: usize,
     /// Full-vocabulary logits `[t, vocab]`.
     logits: Tensor<2>,
     /// The full model's argmax at each position.
@@ -169,6 +166,16 @@ impl Teacher {
     /// lookahead heads: the states before the final norm).
     pub fn new(model: &Llama, sequences: &[&[u32]], exit_layers: &[usize]) -> Result<Self> {
         let (tokens, lengths) = Self::block(model, sequences, exit_layers)?;
+        Self::run(model, tokens, lengths, exit_layers)
+    }
+
+    /// [`Teacher::new`] on a block [`Teacher::block`] has checked.
+    pub(crate) fn run(
+        model: &Llama,
+        tokens: Vec<u32>,
+        lengths: Vec<usize>,
+        exit_layers: &[usize],
+    ) -> Result<Self> {
         let layers = model.num_layers();
         let ctx = AttentionContext::packed(model.rope(), model.config(), &lengths)?;
         let mut x = model.embed(&tokens)?;
@@ -208,17 +215,18 @@ impl Teacher {
         ))
     }
 
-    /// The teacher of a block whose states after layers `hidden` (below the last) and after the
-    /// last layer (`top`) are known: the logits and greedy tokens follow from `top`, as in
-    /// [`Teacher::new`], bit for bit.
+    /// The teacher of a block whose states after layers `hidden` (below the last, by layer) and
+    /// after the last layer (`top`) are known: the logits and greedy tokens follow from `top`,
+    /// as in [`Teacher::new`], bit for bit.
     pub(crate) fn from_states(
         model: &Llama,
         tokens: Vec<u32>,
         lengths: Vec<usize>,
-        hidden: Vec<(usize, Tensor<2>)>,
+        mut hidden: Vec<(usize, Tensor<2>)>,
         top: Tensor<2>,
     ) -> Result<Self> {
         let logits = model.logits(top.clone());
+        hidden.push((model.num_layers(), top));
         let argmax = logits
             .clone()
             .argmax(1)
@@ -232,8 +240,6 @@ impl Teacher {
         Ok(Teacher {
             tokens,
             hidden,
-            top,
-            layers: model.num_layers(),
             logits,
             argmax,
             lengths,
@@ -255,15 +261,12 @@ impl Teacher {
         &self.lengths
     }
 
-    /// The states after layers below the last, by layer, and the last layer's.
-    pub(crate) fn states(&self) -> (&[(usize, Tensor<2>)], &Tensor<2>) {
-        (&self.hidden, &self.top)
+    /// The states after each layer kept, by layer, the last layer's last.
+    pub(crate) fn states(&self) -> &[(usize, Tensor<2>)] {
+        &self.hidden
     }
 
     fn hidden(&self, exit_layer: usize) -> Result<Tensor<2>> {
-        if exit_layer == self.layers {
-            return Ok(self.top.clone());
-        }
         self.hidden
             .iter()
             .find(|(n, _)| *n == exit_layer)

@@ -7,18 +7,17 @@
 //! only compute the logits. A [`Teacher`] read back equals the one the forward pass gives, bit
 //! for bit, so a run with a cache trains exactly the head a run without one trains.
 //!
-//! One safetensors file per block (`KEY.safetensors`: the block's token ids, its states in f32,
-//! and in the metadata the sequence lengths and the teacher's identity, e.g. the model file's
-//! SHA-256 and weight format). A file that is missing, unreadable, for other tokens, another
-//! teacher or fewer layers is computed again and replaced; files are written under a scratch name
-//! and renamed, so a killed run leaves whole files or none (and at most a `.partial` scratch
-//! file, never read). Size: `4 · hidden · (exit layers
-//! below the last + 1)` bytes per position (SmolLM2-135M, one lookahead head reading the last
-//! layer: 2.3 KB per position, ≈ 4 GB for 1.7M positions).
+//! One safetensors file per block (`KEY.safetensors`: the block's token ids, its states in f32
+//! as `layer.N`, and in the metadata the sequence lengths and the teacher's identity, e.g. the
+//! model file's SHA-256 and weight format). A file that is missing, unreadable, for other
+//! tokens, another teacher or fewer layers is computed again and replaced; files are written
+//! with [`eesd_models::write_atomically`], so a killed run leaves whole files or none (and at most
+//! a `.partial` scratch file, never read). Size: `4 · hidden · (exit layers below the last + 1)`
+//! bytes per position (SmolLM2-135M, one lookahead head reading the last layer: 2.3 KB per
+//! position, ≈ 4 GB for 1.7M positions).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::tensor::{Tensor, TensorData};
 use eesd_models::Llama;
@@ -91,7 +90,7 @@ impl TeacherCache {
             let teacher = Teacher::from_states(model, tokens, lengths, hidden, top)?;
             return Ok((teacher, CacheOutcome::Hit));
         }
-        let teacher = Teacher::new(model, sequences, exit_layers)?;
+        let teacher = Teacher::run(model, tokens, lengths, exit_layers)?;
         self.store(&path, &teacher)?;
         Ok((teacher, CacheOutcome::Stored))
     }
@@ -145,10 +144,10 @@ impl TeacherCache {
             .iter()
             .map(|&n| Some((n, read(&format!("layer.{n}"))?)))
             .collect::<Option<Vec<_>>>()?;
-        Some((hidden, read("top")?))
+        Some((hidden, read(&format!("layer.{}", model.num_layers()))?))
     }
 
-    /// Writes `teacher`'s block to `path` (under a scratch name, then renamed).
+    /// Writes `teacher`'s block to `path`, atomically.
     fn store(&self, path: &Path, teacher: &Teacher) -> Result<()> {
         let f32_bytes = |t: &Tensor<2>| -> Result<Vec<u8>> {
             let values = t
@@ -159,7 +158,6 @@ impl TeacherCache {
                 .map_err(|e| TrainError::TensorData(format!("{e:?}")))?;
             Ok(values.iter().flat_map(|v| v.to_le_bytes()).collect())
         };
-        let (hidden, top) = teacher.states();
         let mut data: Vec<(String, Vec<usize>, Dtype, Vec<u8>)> = vec![(
             "tokens".into(),
             vec![teacher.tokens().len()],
@@ -170,12 +168,13 @@ impl TeacherCache {
                 .flat_map(|t| t.to_le_bytes())
                 .collect(),
         )];
-        for (name, t) in hidden
-            .iter()
-            .map(|(n, t)| (format!("layer.{n}"), t))
-            .chain([("top".to_string(), top)])
-        {
-            data.push((name, t.dims().to_vec(), Dtype::F32, f32_bytes(t)?));
+        for (n, t) in teacher.states() {
+            data.push((
+                format!("layer.{n}"),
+                t.dims().to_vec(),
+                Dtype::F32,
+                f32_bytes(t)?,
+            ));
         }
         let views = data
             .iter()
@@ -192,21 +191,6 @@ impl TeacherCache {
         ]);
         let bytes = safetensors::serialize(views, Some(meta))
             .map_err(|e| TrainError::TensorData(e.to_string()))?;
-        // No flush to the disk: a file torn by a crash does not parse and is recomputed.
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        // A name of its own per write: threads sharing the cache may store the same block.
-        static WRITES: AtomicU64 = AtomicU64::new(0);
-        let write = WRITES.fetch_add(1, Ordering::Relaxed);
-        let scratch =
-            path.with_file_name(format!(".{name}.{}-{write}.partial", std::process::id()));
-        std::fs::write(&scratch, &bytes)
-            .and_then(|()| std::fs::rename(&scratch, path))
-            .map_err(|e| {
-                let _ = std::fs::remove_file(&scratch);
-                TrainError::io(path, e)
-            })
+        Ok(eesd_models::write_atomically(path, &bytes)?)
     }
 }
