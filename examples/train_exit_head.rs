@@ -139,6 +139,13 @@ struct Args {
     /// bytes per position: ≈ 4 GB for one head over SmolLM2's 1.7M tokens of answers.
     #[arg(long)]
     teacher_cache: Option<PathBuf>,
+    /// Wall-clock seconds the training may take (held-out evaluations during it included;
+    /// loading, answer generation and the final evaluation not), for a machine lent for a fixed
+    /// time: as the step time becomes known the run is re-planned to end within it (the
+    /// learning rate decaying toward the new end, as with a changed `--steps` on `--resume`),
+    /// never beyond `--steps`.
+    #[arg(long)]
+    time_budget: Option<f64>,
     /// Context the model is loaded with (bounds the caches; at most the model's own).
     #[arg(long, default_value_t = 2048)]
     context_length: usize,
@@ -479,6 +486,16 @@ fn main() -> Result<()> {
                 run.save(started)?;
             }
         }
+        if let Some(budget) = args.time_budget {
+            let taken = step + 1 - first_step;
+            let elapsed = train_started.elapsed().as_secs_f64();
+            for run in runs.iter_mut() {
+                if let Some(end) = budget_end(budget, elapsed, taken, &run.distiller, args.steps) {
+                    run.distiller.set_total_steps(end)?;
+                }
+            }
+            bar.set_length(runs.iter().map(|r| r.total()).max().unwrap_or(0) as u64);
+        }
         let losses: Vec<String> = runs
             .iter()
             .filter_map(|r| Some(format!("l{} {:.3}", r.exit_layer, r.running?)))
@@ -486,6 +503,7 @@ fn main() -> Result<()> {
         bar.set_message(losses.join(" "));
     }
     bar.finish();
+    let total = runs.iter().map(|r| r.total()).max().unwrap_or(0);
     // Tokens through the shared teacher pass and every head, per second of this run's training
     // (held-out evaluations included).
     let trained = tokens_seen(total) - tokens_seen(first_step.min(total));
@@ -573,6 +591,34 @@ fn trained_head(
         head.token_ids().map_or(m.config().vocab_size, <[u32]>::len)
     );
     Ok(head)
+}
+
+/// Where a run under `--time-budget` should end, when that changes: after `taken` steps in
+/// `elapsed` seconds, the step that the mean step time so far reaches within `budget`, capped
+/// by `max_steps` (re-planned after 8 steps, then every 25, and at once when the budget is
+/// spent). `None` keeps the current plan.
+fn budget_end(
+    budget: f64,
+    elapsed: f64,
+    taken: usize,
+    distiller: &Distiller<'_>,
+    max_steps: usize,
+) -> Option<usize> {
+    let (step, total) = (distiller.step(), distiller.config().total_steps);
+    let warmup = distiller.config().warmup_steps;
+    let spent = elapsed >= budget;
+    if step >= total || taken < 8 || (taken % 25 != 0 && taken != 8 && !spent) {
+        return None;
+    }
+    let per_step = elapsed / taken as f64;
+    let more = ((budget - elapsed) / per_step).floor().max(0.0) as usize;
+    // One more step when the budget is spent (the last step is evaluated and saved);
+    // the schedule cannot end inside its warm-up.
+    let end = (step + more.max(1))
+        .min(max_steps)
+        .max(warmup + 1)
+        .max(step + 1);
+    (end != total).then_some(end)
 }
 
 /// Most sampled answers per prompt (`--sampled`).
