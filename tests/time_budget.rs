@@ -1,0 +1,89 @@
+//! `train_exit_head --time-budget`: a run whose budget is spent is re-planned to end early,
+//! with its schedule, metadata and saved state saying where it ended, and a resumed run with
+//! a larger `--steps` continues it.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+mod common;
+use common::train_exit_head;
+
+fn run(model: &Path, prompts: &Path, out: &Path, extra: &[&str]) -> Output {
+    Command::new(train_exit_head())
+        .arg("--model")
+        .arg(model)
+        .arg("--prompts")
+        .arg(prompts)
+        .arg("--out")
+        .arg(out)
+        .args([
+            "--exit-layer",
+            "1",
+            "--num-prompts",
+            "8",
+            "--answer-tokens",
+            "12",
+            "--held-out",
+            "2",
+            "--eval-every",
+            "1000",
+            "--save-every",
+            "0",
+            "--context-length",
+            "128",
+            "--vocab",
+            "48",
+        ])
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+fn total_steps(prefix: &Path) -> u64 {
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(prefix.with_extension("json")).unwrap())
+            .unwrap();
+    meta["training"]["distill"]["total_steps"].as_u64().unwrap()
+}
+
+#[test]
+fn a_spent_time_budget_ends_the_run_early_and_resume_continues_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny.gguf");
+    eesd::models::testing::write_tiny_gguf(&model, &eesd::models::testing::tiny_config(), 5)
+        .unwrap();
+    let prompts = dir.path().join("prompts.jsonl");
+    let lines: Vec<String> = (0..8)
+        .map(|i| serde_json::json!({ "prompt": format!("Name {i} colours.") }).to_string())
+        .collect();
+    std::fs::write(&prompts, lines.join("\n") + "\n").unwrap();
+    let out = dir.path().join("head");
+
+    // A zero budget is spent from the start: the step time is known after 8 steps, and the
+    // run ends one step later (beyond its 5-step warm-up) instead of at step 100.
+    let first = run(&model, &prompts, &out, &["--steps", "100", "--time-budget", "0"]);
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    assert_eq!(total_steps(&out), 9);
+    let result: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&first.stdout).trim()).unwrap();
+    assert!(result["after"]["top1_agreement"].is_number());
+
+    // An ample budget leaves the plan alone; resuming with more steps continues the run.
+    let more = run(
+        &model,
+        &prompts,
+        &out,
+        &["--steps", "12", "--time-budget", "3600", "--resume"],
+    );
+    assert!(
+        more.status.success(),
+        "{}",
+        String::from_utf8_lossy(&more.stderr)
+    );
+    assert_eq!(total_steps(&out), 12);
+    assert!(String::from_utf8_lossy(&more.stderr).contains("resuming at step 9"));
+}
