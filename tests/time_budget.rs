@@ -61,7 +61,12 @@ fn a_spent_time_budget_ends_the_run_early_and_resume_continues_it() {
 
     // A zero budget is spent from the start: the step time is known after 8 steps, and the
     // run ends one step later (beyond its 5-step warm-up) instead of at step 100.
-    let first = run(&model, &prompts, &out, &["--steps", "100", "--time-budget", "0"]);
+    let first = run(
+        &model,
+        &prompts,
+        &out,
+        &["--steps", "100", "--time-budget", "0"],
+    );
     assert!(
         first.status.success(),
         "{}",

@@ -104,6 +104,11 @@ impl LayerCache {
         limit: usize,
     ) -> Result<(Tensor<3>, Tensor<3>)> {
         let [heads, t, dim] = k.dims();
+        if t == 0 {
+            return Err(ModelError::InvalidArgument(
+                "appending no positions to a cache".into(),
+            ));
+        }
         let end = self.len + t;
         if end > limit {
             return Err(ModelError::ContextOverflow { needed: end, limit });
@@ -125,9 +130,11 @@ impl LayerCache {
         if end > capacity {
             let cap = (capacity * 2).max(end).min(limit);
             let keep = self.len;
-            let grow = |old: Tensor<3>| {
-                zeros(heads, cap, dim, &device)
-                    .slice_assign([0..heads, 0..keep, 0..dim], old.narrow(1, 0, keep))
+            // A cache truncated to nothing (a new prompt) has nothing to carry over.
+            let grow = |old: Tensor<3>| match keep {
+                0 => zeros(heads, cap, dim, &device),
+                _ => zeros(heads, cap, dim, &device)
+                    .slice_assign([0..heads, 0..keep, 0..dim], old.narrow(1, 0, keep)),
             };
             kb = grow(kb);
             vb = grow(vb);
@@ -274,5 +281,57 @@ impl KvCache {
         for l in self.layers.iter_mut().take(range.end).skip(range.start) {
             l.truncate(len);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(heads: usize, t: usize, dim: usize, base: f32, device: &Device) -> Tensor<3> {
+        let data: Vec<f32> = (0..heads * t * dim).map(|i| base + i as f32).collect();
+        Tensor::from_data(TensorData::new(data, [heads, t, dim]), device)
+    }
+
+    /// The burn-tensor path (every backend but flex's fused layer): a cache emptied for a new
+    /// prompt grows past its capacity without copying positions it no longer holds.
+    #[test]
+    fn a_truncated_cache_grows_for_a_longer_prompt() {
+        let device = Device::default();
+        let mut cache = LayerCache::new();
+        cache
+            .append(
+                rows(2, 10, 4, 0.0, &device),
+                rows(2, 10, 4, 0.5, &device),
+                4096,
+            )
+            .unwrap();
+        cache.truncate(0);
+        let t = INITIAL_CAPACITY + 44;
+        let (k, v) = cache
+            .append(
+                rows(2, t, 4, 1.0, &device),
+                rows(2, t, 4, 2.0, &device),
+                4096,
+            )
+            .unwrap();
+        assert_eq!(cache.len(), t);
+        assert_eq!(k.dims(), [2, t, 4]);
+        k.into_data()
+            .assert_eq(&rows(2, t, 4, 1.0, &device).into_data(), true);
+        v.into_data()
+            .assert_eq(&rows(2, t, 4, 2.0, &device).into_data(), true);
+    }
+
+    #[test]
+    fn appending_nothing_is_an_error_not_a_panic() {
+        let device = Device::default();
+        let mut cache = LayerCache::new();
+        let empty = || Tensor::<3>::zeros([2, 0, 4], &device);
+        assert!(matches!(
+            cache.append(empty(), empty(), 4096),
+            Err(ModelError::InvalidArgument(_))
+        ));
+        assert!(cache.is_empty());
     }
 }
