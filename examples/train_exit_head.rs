@@ -143,7 +143,8 @@ struct Args {
     /// loading, answer generation and the final evaluation not), for a machine lent for a fixed
     /// time: as the step time becomes known the run is re-planned to end within it (the
     /// learning rate decaying toward the new end, as with a changed `--steps` on `--resume`),
-    /// never beyond `--steps`.
+    /// never beyond `--steps`. The warm-up stays `--steps`/20, so give `--steps` near the steps
+    /// the budget is expected to allow.
     #[arg(long)]
     time_budget: Option<f64>,
     /// Context the model is loaded with (bounds the caches; at most the model's own).
