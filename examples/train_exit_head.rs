@@ -608,7 +608,7 @@ fn budget_end(
     let (step, total) = (distiller.step(), distiller.config().total_steps);
     let warmup = distiller.config().warmup_steps;
     let spent = elapsed >= budget;
-    if step >= total || taken < 8 || (taken % 25 != 0 && taken != 8 && !spent) {
+    if step >= total || taken < 8 || (!taken.is_multiple_of(25) && taken != 8 && !spent) {
         return None;
     }
     let per_step = elapsed / taken as f64;

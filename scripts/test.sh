@@ -3,14 +3,14 @@
 # backend in release mode (the real-model tests would crawl in debug), a short run of every fuzz
 # target, a check that inference builds leave training out, then the model tests again on
 # LibTorch (set EESD_SKIP_TCH=1 to skip LibTorch locally). The Vulkan backend is type-checked and
-# linted with everything else (CI has no GPU to run it, and a release build of wgpu would add
-# ≈ 20 minutes).
+# linted with everything else, kernel fusion on (CI has no GPU to run it, and a release build of
+# wgpu would add ≈ 20 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PS4='+ $(date +%T) '  # each step with its start time in the CI log
 set -x
 cargo fmt --all -- --check
-cargo clippy --release --workspace --all-targets --features train,vulkan -- -D warnings
+cargo clippy --release --workspace --all-targets --features train,vulkan,fusion -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --workspace
 # LibTorch comes first so that one release build (flex and tch in the same binaries) serves the
 # flex tests, the examples, the fuzz seeds and the LibTorch tests: a second build with other burn
