@@ -3,38 +3,23 @@
 //! refused with a clear message.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 mod common;
-use common::train_exit_head;
+use common::{run_train_exit_head, write_prompts};
 
 fn run(model: &Path, prompts: &Path, out: &Path, extra: &[&str]) -> Output {
-    Command::new(train_exit_head())
-        .arg("--model")
-        .arg(model)
-        .arg("--prompts")
-        .arg(prompts)
-        .arg("--out")
-        .arg(out)
-        .args([
-            "--exit-layer",
-            "1",
-            "--num-prompts",
-            "12",
-            "--answer-tokens",
-            "16",
-            "--held-out",
-            "3",
-            "--eval-every",
-            "1000",
-            "--save-every",
-            "0",
-            "--context-length",
-            "128",
-        ])
-        .args(extra)
-        .output()
-        .unwrap()
+    let tiny = [
+        "--exit-layer",
+        "1",
+        "--num-prompts",
+        "12",
+        "--answer-tokens",
+        "16",
+        "--held-out",
+        "3",
+    ];
+    run_train_exit_head(model, prompts, out, &[&tiny[..], extra].concat())
 }
 
 fn metadata(prefix: &Path) -> serde_json::Value {
@@ -48,10 +33,7 @@ fn training_continues_from_a_saved_head_and_refuses_one_that_does_not_fit() {
     eesd::models::testing::write_tiny_gguf(&model, &eesd::models::testing::tiny_config(), 3)
         .unwrap();
     let prompts = dir.path().join("prompts.jsonl");
-    let lines: Vec<String> = (0..12)
-        .map(|i| serde_json::json!({ "prompt": format!("Count to {i}, please.") }).to_string())
-        .collect();
-    std::fs::write(&prompts, lines.join("\n") + "\n").unwrap();
+    write_prompts(&prompts, (0..12).map(|i| format!("Count to {i}, please.")));
     let data = dir.path().join("answers.jsonl");
     let data = data.to_str().unwrap();
 

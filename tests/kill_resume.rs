@@ -13,7 +13,7 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
 mod common;
-use common::train_exit_head;
+use common::{train_exit_head, write_prompts};
 
 /// A training run's arguments; `out` is the output prefix.
 fn run_args(model: &Path, prompts: &Path, out: &Path, settings: &[&str]) -> Vec<String> {
@@ -131,12 +131,10 @@ fn run_with_kills(
 
 fn prompts_file(dir: &Path, n: usize) -> PathBuf {
     let path = dir.join("prompts.jsonl");
-    let lines: Vec<String> = (0..n)
-        .map(|i| {
-            serde_json::json!({ "prompt": format!("Question {i}: what is {i} + {i}?") }).to_string()
-        })
-        .collect();
-    std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+    write_prompts(
+        &path,
+        (0..n).map(|i| format!("Question {i}: what is {i} + {i}?")),
+    );
     path
 }
 

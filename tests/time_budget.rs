@@ -3,40 +3,25 @@
 //! a larger `--steps` continues it.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 mod common;
-use common::train_exit_head;
+use common::{run_train_exit_head, write_prompts};
 
 fn run(model: &Path, prompts: &Path, out: &Path, extra: &[&str]) -> Output {
-    Command::new(train_exit_head())
-        .arg("--model")
-        .arg(model)
-        .arg("--prompts")
-        .arg(prompts)
-        .arg("--out")
-        .arg(out)
-        .args([
-            "--exit-layer",
-            "1",
-            "--num-prompts",
-            "8",
-            "--answer-tokens",
-            "12",
-            "--held-out",
-            "2",
-            "--eval-every",
-            "1000",
-            "--save-every",
-            "0",
-            "--context-length",
-            "128",
-            "--vocab",
-            "48",
-        ])
-        .args(extra)
-        .output()
-        .unwrap()
+    let tiny = [
+        "--exit-layer",
+        "1",
+        "--num-prompts",
+        "8",
+        "--answer-tokens",
+        "12",
+        "--held-out",
+        "2",
+        "--vocab",
+        "48",
+    ];
+    run_train_exit_head(model, prompts, out, &[&tiny[..], extra].concat())
 }
 
 fn total_steps(prefix: &Path) -> u64 {
@@ -53,10 +38,7 @@ fn a_spent_time_budget_ends_the_run_early_and_resume_continues_it() {
     eesd::models::testing::write_tiny_gguf(&model, &eesd::models::testing::tiny_config(), 5)
         .unwrap();
     let prompts = dir.path().join("prompts.jsonl");
-    let lines: Vec<String> = (0..8)
-        .map(|i| serde_json::json!({ "prompt": format!("Name {i} colours.") }).to_string())
-        .collect();
-    std::fs::write(&prompts, lines.join("\n") + "\n").unwrap();
+    write_prompts(&prompts, (0..8).map(|i| format!("Name {i} colours.")));
     let out = dir.path().join("head");
 
     // A zero budget is spent from the start: the step time is known after 8 steps, and the
