@@ -143,8 +143,7 @@ struct Args {
     /// loading, answer generation and the final evaluation not), for a machine lent for a fixed
     /// time: as the step time becomes known the run is re-planned to end within it (the
     /// learning rate decaying toward the new end, as with a changed `--steps` on `--resume`),
-    /// never beyond `--steps`. The warm-up stays `--steps`/20, so give `--steps` near the steps
-    /// the budget is expected to allow.
+    /// never beyond `--steps` (the warm-up shrinks with it, to at most a twentieth).
     #[arg(long)]
     time_budget: Option<f64>,
     /// Context the model is loaded with (bounds the caches; at most the model's own).
@@ -491,8 +490,10 @@ fn main() -> Result<()> {
             let taken = step + 1 - first_step;
             let elapsed = train_started.elapsed().as_secs_f64();
             for run in runs.iter_mut() {
-                if let Some(end) = budget_end(budget, elapsed, taken, &run.distiller, args.steps) {
-                    run.distiller.set_total_steps(end)?;
+                if let Some((end, warmup)) =
+                    budget_plan(budget, elapsed, taken, &run.distiller, args.steps)
+                {
+                    run.distiller.set_schedule(end, warmup)?;
                 }
             }
             bar.set_length(runs.iter().map(|r| r.total()).max().unwrap_or(0) as u64);
@@ -594,17 +595,18 @@ fn trained_head(
     Ok(head)
 }
 
-/// Where a run under `--time-budget` should end, when that changes: after `taken` steps in
-/// `elapsed` seconds, the step that the mean step time so far reaches within `budget`, capped
-/// by `max_steps` (re-planned after 8 steps, then every 25, and at once when the budget is
-/// spent). `None` keeps the current plan.
-fn budget_end(
+/// Where a run under `--time-budget` should end, and its warm-up, when that changes: after
+/// `taken` steps in `elapsed` seconds, the step that the mean step time so far reaches within
+/// `budget`, capped by `max_steps` (re-planned after 8 steps, then every 25, and at once when
+/// the budget is spent); the warm-up shrinks to at most a twentieth of the new length, as for a
+/// run planned that long. `None` keeps the current plan.
+fn budget_plan(
     budget: f64,
     elapsed: f64,
     taken: usize,
     distiller: &Distiller<'_>,
     max_steps: usize,
-) -> Option<usize> {
+) -> Option<(usize, usize)> {
     let (step, total) = (distiller.step(), distiller.config().total_steps);
     let warmup = distiller.config().warmup_steps;
     let spent = elapsed >= budget;
@@ -613,13 +615,10 @@ fn budget_end(
     }
     let per_step = elapsed / taken as f64;
     let more = ((budget - elapsed) / per_step).floor().max(0.0) as usize;
-    // One more step when the budget is spent (the last step is evaluated and saved);
-    // the schedule cannot end inside its warm-up.
-    let end = (step + more.max(1))
-        .min(max_steps)
-        .max(warmup + 1)
-        .max(step + 1);
-    (end != total).then_some(end)
+    // One more step when the budget is spent (the last step is evaluated and saved).
+    let end = (step + more.max(1)).min(max_steps).max(step + 1);
+    let shorter = warmup.min(end / 20);
+    (end != total || shorter != warmup).then_some((end, shorter))
 }
 
 /// Most sampled answers per prompt (`--sampled`).

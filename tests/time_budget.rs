@@ -24,11 +24,19 @@ fn run(model: &Path, prompts: &Path, out: &Path, extra: &[&str]) -> Output {
     run_train_exit_head(model, prompts, out, &[&tiny[..], extra].concat())
 }
 
-fn total_steps(prefix: &Path) -> u64 {
+fn schedule(prefix: &Path, field: &str) -> u64 {
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(prefix.with_extension("json")).unwrap())
             .unwrap();
-    meta["training"]["distill"]["total_steps"].as_u64().unwrap()
+    meta["training"]["distill"][field].as_u64().unwrap()
+}
+
+fn total_steps(prefix: &Path) -> u64 {
+    schedule(prefix, "total_steps")
+}
+
+fn warmup_steps(prefix: &Path) -> u64 {
+    schedule(prefix, "warmup_steps")
 }
 
 #[test]
@@ -42,7 +50,8 @@ fn a_spent_time_budget_ends_the_run_early_and_resume_continues_it() {
     let out = dir.path().join("head");
 
     // A zero budget is spent from the start: the step time is known after 8 steps, and the
-    // run ends one step later (beyond its 5-step warm-up) instead of at step 100.
+    // run ends one step later instead of at step 100, its 5-step warm-up shrunk to a
+    // twentieth of 9 steps (none).
     let first = run(
         &model,
         &prompts,
@@ -55,6 +64,7 @@ fn a_spent_time_budget_ends_the_run_early_and_resume_continues_it() {
         String::from_utf8_lossy(&first.stderr)
     );
     assert_eq!(total_steps(&out), 9);
+    assert_eq!(warmup_steps(&out), 0);
     let result: serde_json::Value =
         serde_json::from_str(String::from_utf8_lossy(&first.stdout).trim()).unwrap();
     assert!(result["after"]["top1_agreement"].is_number());

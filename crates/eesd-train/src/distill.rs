@@ -383,6 +383,21 @@ impl<'m> Distiller<'m> {
         Ok(())
     }
 
+    /// Re-plans the run on the fly (`train_exit_head --time-budget`): it ends at step `total`,
+    /// after a warm-up of `warmup` steps (a shortened run keeps its warm-up a small part of its
+    /// length). Steps already taken keep the rates they had; `total` must lie beyond them.
+    pub fn set_schedule(&mut self, total: usize, warmup: usize) -> Result<()> {
+        if total <= self.step || warmup >= total {
+            return Err(TrainError::InvalidConfig(format!(
+                "a run at step {} cannot end at step {total} after a warm-up of {warmup}",
+                self.step
+            )));
+        }
+        self.config.total_steps = total;
+        self.config.warmup_steps = warmup;
+        Ok(())
+    }
+
     /// Teacher log-probabilities over the draft vocabulary `[t, n]`, on the plain device.
     fn teacher_log_probs(&self, teacher: &Teacher) -> Tensor<2> {
         let logits = match &self.subset_ids {
