@@ -188,6 +188,9 @@ fn answer_seed(seed: u64, prompt: usize, sample: usize) -> u64 {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if let Some(b) = args.time_budget.filter(|b| !(b.is_finite() && *b >= 0.0)) {
+        bail!("--time-budget {b}: give a number of seconds, 0 or more");
+    }
     let started = Instant::now();
     let path = fetch::resolve_model(args.model.as_deref())?;
     let device = args.device.device()?;

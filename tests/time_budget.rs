@@ -83,4 +83,17 @@ fn a_spent_time_budget_ends_the_run_early_and_resume_continues_it() {
     );
     assert_eq!(total_steps(&out), 12);
     assert!(String::from_utf8_lossy(&more.stderr).contains("resuming at step 9"));
+
+    // A budget that is no number of seconds is refused before anything is written.
+    for bad in ["nan", "inf", "-1"] {
+        let other = dir.path().join("other");
+        let budget = format!("--time-budget={bad}");
+        let refused = run(&model, &prompts, &other, &["--steps", "20", &budget]);
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert!(
+            !refused.status.success() && stderr.contains("give a number of seconds"),
+            "{stderr}"
+        );
+        assert!(!other.with_extension("safetensors").exists());
+    }
 }
