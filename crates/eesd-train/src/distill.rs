@@ -188,8 +188,8 @@ impl Teacher {
             hidden.push((n, x.clone()));
             done = n;
         }
-        let top = model.forward_packed(x, done..layers, &ctx)?;
-        Self::from_states(model, tokens, lengths, hidden, top)
+        hidden.push((layers, model.forward_packed(x, done..layers, &ctx)?));
+        Self::from_states(model, tokens, lengths, hidden)
     }
 
     /// The block's tokens and sequence lengths, once `sequences` and `exit_layers` are checked.
@@ -215,18 +215,24 @@ impl Teacher {
         ))
     }
 
-    /// The teacher of a block whose states after layers `hidden` (below the last, by layer) and
-    /// after the last layer (`top`) are known: the logits and greedy tokens follow from `top`,
-    /// as in [`Teacher::new`], bit for bit.
+    /// The teacher of a block whose states after each layer kept are known (by layer, the last
+    /// layer's last): the logits and greedy tokens follow from the last layer's, as in
+    /// [`Teacher::new`], bit for bit.
     pub(crate) fn from_states(
         model: &Llama,
         tokens: Vec<u32>,
         lengths: Vec<usize>,
-        mut hidden: Vec<(usize, Tensor<2>)>,
-        top: Tensor<2>,
+        hidden: Vec<(usize, Tensor<2>)>,
     ) -> Result<Self> {
-        let logits = model.logits(top.clone());
-        hidden.push((model.num_layers(), top));
+        let top = match hidden.last() {
+            Some((n, top)) if *n == model.num_layers() => top.clone(),
+            _ => {
+                return Err(TrainError::InvalidConfig(
+                    "a teacher's states end with the last layer's".into(),
+                ));
+            }
+        };
+        let logits = model.logits(top);
         let argmax = logits
             .clone()
             .argmax(1)
@@ -373,14 +379,7 @@ impl<'m> Distiller<'m> {
     /// cosine decay runs from here on toward the new end. `total` must lie beyond the steps
     /// taken and the warm-up.
     pub fn set_total_steps(&mut self, total: usize) -> Result<()> {
-        if total <= self.step || total <= self.config.warmup_steps {
-            return Err(TrainError::InvalidConfig(format!(
-                "a run at step {} (warm-up {}) cannot end at step {total}",
-                self.step, self.config.warmup_steps
-            )));
-        }
-        self.config.total_steps = total;
-        Ok(())
+        self.set_schedule(total, self.config.warmup_steps)
     }
 
     /// Re-plans the run on the fly (`train_exit_head --time-budget`): it ends at step `total`,

@@ -85,9 +85,9 @@ impl TeacherCache {
         // A file that does not fit is no error: it is recomputed and replaced (a path that is
         // not a regular file, e.g. a pipe, is not read: it would block).
         if let Ok(bytes) = eesd_models::file_bytes::read(&path)
-            && let Some((hidden, top)) = self.parse(&bytes, model, &tokens, &lengths, &wanted)
+            && let Some(hidden) = self.parse(&bytes, model, &tokens, &lengths, &wanted)
         {
-            let teacher = Teacher::from_states(model, tokens, lengths, hidden, top)?;
+            let teacher = Teacher::from_states(model, tokens, lengths, hidden)?;
             return Ok((teacher, CacheOutcome::Hit));
         }
         let teacher = Teacher::run(model, tokens, lengths, exit_layers)?;
@@ -95,9 +95,8 @@ impl TeacherCache {
         Ok((teacher, CacheOutcome::Stored))
     }
 
-    /// The states of a stored block, if `bytes` are one for this teacher, `tokens`, `lengths`
-    /// and (at least) the layers `wanted`.
-    #[allow(clippy::type_complexity)]
+    /// The states of a stored block, by layer (`wanted`, below the last, then the last layer's),
+    /// if `bytes` are one for this teacher, `tokens`, `lengths` and (at least) those layers.
     fn parse(
         &self,
         bytes: &[u8],
@@ -105,7 +104,7 @@ impl TeacherCache {
         tokens: &[u32],
         lengths: &[usize],
         wanted: &[usize],
-    ) -> Option<(Vec<(usize, Tensor<2>)>, Tensor<2>)> {
+    ) -> Option<Vec<(usize, Tensor<2>)>> {
         let (_, meta) = SafeTensors::read_metadata(bytes).ok()?;
         let meta = meta.metadata().as_ref()?;
         let stored_lengths: Vec<usize> = serde_json::from_str(meta.get("lengths")?).ok()?;
@@ -140,11 +139,12 @@ impl TeacherCache {
                 model.device(),
             ))
         };
-        let hidden = wanted
+        wanted
             .iter()
-            .map(|&n| Some((n, read(&format!("layer.{n}"))?)))
-            .collect::<Option<Vec<_>>>()?;
-        Some((hidden, read(&format!("layer.{}", model.num_layers()))?))
+            .copied()
+            .chain([model.num_layers()])
+            .map(|n| Some((n, read(&format!("layer.{n}"))?)))
+            .collect()
     }
 
     /// Writes `teacher`'s block to `path`, atomically.
