@@ -2,12 +2,13 @@
 //! block sizes, against the machine's roofline measured in the same run.
 //!
 //! ```text
-//! cargo bench --bench attention_cost -- [--contexts 0,512,1000,4000] [--rows 1,2,4,8,16] [--json]
+//! cargo bench --bench attention_cost -- [--contexts 0,512,1000,4000] [--rows 1,2,4,8,16]
+//!     [--kv f32,f16] [--json]
 //! ```
 //! The default shape is SmolLM2-135M's (30 layers, 9 query and 3 key-value heads of 64). Each
 //! layer gets a store of its own so that the caches do not flatter the long contexts. A block
 //! of `r` rows at `c` cached positions reads every key and value once (`2 × (c + r) × kv × d`
-//! floats per layer) and does `2 × 2 × q × d` flops per (row, position) it sees (scores and
+//! values per layer, 4 or 2 bytes each by `--kv`) and does `2 × 2 × q × d` flops per (row, position) it sees (scores and
 //! weighted values; row `i` of the block sees `c + i + 1` positions). Time is the best of
 //! `--reps` forwards, the configurations taken round in turn so that a noisy host affects all.
 
@@ -16,7 +17,7 @@ mod output;
 
 use anyhow::{Result, ensure};
 use clap::Parser;
-use eesd::models::cpu::attention::{Heads, KvStore, attend};
+use eesd::models::cpu::attention::{Heads, HostKv, KvDtype, attend};
 use eesd::models::cpu::{Pool, Roofline, roofline};
 use std::time::Instant;
 
@@ -28,6 +29,9 @@ struct Args {
     /// Rows per block.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
     rows: Vec<usize>,
+    /// Stored key/value types: f32 (f32 models) and f16 (quantized, f16 and bf16 models).
+    #[arg(long, value_delimiter = ',', default_value = "f32,f16", value_parser = parse_kv)]
+    kv: Vec<KvDtype>,
     /// Layers per forward.
     #[arg(long, default_value_t = 30)]
     layers: usize,
@@ -49,12 +53,28 @@ struct Args {
 
 /// One configuration: its layer stores, its queries and the best time so far.
 struct Case {
+    kv: KvDtype,
     context: usize,
     rows: usize,
-    stores: Vec<KvStore>,
+    stores: Vec<HostKv>,
     queries: Vec<f32>,
     out: Vec<f32>,
     best: f64,
+}
+
+fn parse_kv(s: &str) -> Result<KvDtype, String> {
+    match s {
+        "f32" => Ok(KvDtype::F32),
+        "f16" => Ok(KvDtype::F16),
+        other => Err(format!("unknown key/value type `{other}` (f32 or f16)")),
+    }
+}
+
+fn kv_name(kv: KvDtype) -> &'static str {
+    match kv {
+        KvDtype::F32 => "f32",
+        KvDtype::F16 => "f16",
+    }
 }
 
 /// Deterministic values in [-0.5, 0.5): enough spread for a realistic softmax.
@@ -81,38 +101,35 @@ fn main() -> Result<()> {
     let before = Roofline::measure();
     let width = heads.kv * heads.d;
     let mut cases = Vec::new();
-    for &context in &args.contexts {
-        for &rows in &args.rows {
-            let total = context + rows;
-            let (keys, vals) = (values(total * width, 7919), values(total * width, 104729));
-            let stores = (0..args.layers)
-                .map(|_| KvStore::from_rows(heads.kv, heads.d, &keys, &vals))
-                .collect();
-            cases.push(Case {
-                context,
-                rows,
-                stores,
-                queries: values(rows * heads.q * heads.d, 31),
-                out: vec![0.0; rows * heads.q * heads.d],
-                best: f64::MAX,
-            });
+    for &kv in &args.kv {
+        for &context in &args.contexts {
+            for &rows in &args.rows {
+                let total = context + rows;
+                let (keys, vals) = (values(total * width, 7919), values(total * width, 104729));
+                let stores = (0..args.layers)
+                    .map(|_| HostKv::from_rows(kv, heads.kv, heads.d, &keys, &vals))
+                    .collect();
+                cases.push(Case {
+                    kv,
+                    context,
+                    rows,
+                    stores,
+                    queries: values(rows * heads.q * heads.d, 31),
+                    out: vec![0.0; rows * heads.q * heads.d],
+                    best: f64::MAX,
+                });
+            }
         }
     }
     for _ in 0..args.reps.max(1) {
         for case in &mut cases {
             let start = Instant::now();
+            let (q, stride, first) = (&case.queries, heads.q * heads.d, case.context);
             for store in &case.stores {
-                let stride = heads.q * heads.d;
-                attend(
-                    &case.queries,
-                    stride,
-                    store,
-                    case.context,
-                    heads,
-                    None,
-                    &mut case.out,
-                    pool,
-                );
+                match store {
+                    HostKv::F32(s) => attend(q, stride, s, first, heads, None, &mut case.out, pool),
+                    HostKv::F16(s) => attend(q, stride, s, first, heads, None, &mut case.out, pool),
+                }
             }
             case.best = case.best.min(start.elapsed().as_secs_f64());
         }
@@ -125,7 +142,11 @@ fn main() -> Result<()> {
     for case in &cases {
         let layers = args.layers as f64;
         let total = (case.context + case.rows) as f64;
-        let bytes = layers * 2.0 * total * (width * size_of::<f32>()) as f64;
+        let element = match case.kv {
+            KvDtype::F32 => 4.0,
+            KvDtype::F16 => 2.0,
+        };
+        let bytes = layers * 2.0 * total * width as f64 * element;
         // Row i sees context + i + 1 positions.
         let seen = case.rows as f64 * (case.context as f64 + (case.rows as f64 + 1.0) / 2.0);
         let flops = layers * seen * 2.0 * 2.0 * (heads.q * heads.d) as f64;
@@ -133,7 +154,8 @@ fn main() -> Result<()> {
         let efficiency = limit / case.best;
         if !args.output.json {
             println!(
-                "context {:5} rows {:2}: {:7.3} ms ({:5.1} GB/s, {:6.1} GFLOP/s), roofline {:6.3} ms ({}-bound), efficiency {efficiency:.2}",
+                "kv {} context {:5} rows {:2}: {:7.3} ms ({:5.1} GB/s, {:6.1} GFLOP/s), roofline {:6.3} ms ({}-bound), efficiency {efficiency:.2}",
+                kv_name(case.kv),
                 case.context,
                 case.rows,
                 case.best * 1e3,
@@ -144,7 +166,7 @@ fn main() -> Result<()> {
             );
         }
         results.push(serde_json::json!({
-            "context": case.context, "rows": case.rows, "ms": case.best * 1e3,
+            "kv": kv_name(case.kv), "context": case.context, "rows": case.rows, "ms": case.best * 1e3,
             "bytes": bytes, "flops": flops, "roofline_ms": limit * 1e3,
             "efficiency": efficiency,
         }));

@@ -6,12 +6,13 @@
 //! and the last M layers (advanced a block at a time while verifying) can run separately.
 //!
 //! Keys and values live either in burn tensors (any backend) or, for the fused CPU layer on
-//! flex, in a host [`KvStore`]; a cache converts itself when the other kind of
-//! forward pass uses it, so the two never disagree.
+//! flex, in a host store ([`HostKv`]: f32, or f16 for models whose weights are not f32); a
+//! cache converts itself when the other kind of forward pass uses it, so the two never
+//! disagree.
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
-use crate::cpu::attention::KvStore;
+use crate::cpu::attention::{HostKv, KvDtype};
 use crate::error::{ModelError, Result};
 
 /// Initial capacity (positions) of a layer cache; doubled on demand up to the context length.
@@ -29,7 +30,7 @@ enum Store {
     Empty,
     /// `[kv_heads, capacity, head_dim]` buffers.
     Tensors(Box<(Tensor<3>, Tensor<3>)>),
-    Host(KvStore),
+    Host(HostKv),
 }
 
 impl Default for LayerCache {
@@ -148,30 +149,51 @@ impl LayerCache {
         Ok(views)
     }
 
-    /// The host store for `kv_heads` heads of width `d`, with room for positions up to `end`;
-    /// the caller writes positions `len()..end` and then calls [`LayerCache::set_len`].
+    /// The host store of `dtype` for `kv_heads` heads of width `d`, with room for positions up
+    /// to `end`; the caller writes positions `len()..end` and then calls
+    /// [`LayerCache::set_len`]. A store of the other dtype is converted.
     pub(crate) fn host_store(
         &mut self,
         kv_heads: usize,
         d: usize,
         end: usize,
         limit: usize,
-    ) -> Result<&mut KvStore> {
+        dtype: KvDtype,
+    ) -> Result<&mut HostKv> {
         if end > limit {
             return Err(ModelError::ContextOverflow { needed: end, limit });
         }
-        let store = std::mem::replace(&mut self.store, Store::Empty);
-        let mut host = match store {
-            Store::Host(host) => host,
-            Store::Tensors(kv) => from_tensors(&kv.0, &kv.1, self.len)?,
-            Store::Empty => KvStore::new(kv_heads, d),
+        let shape = match &self.store {
+            Store::Empty => None,
+            Store::Host(host) => Some(host.shape()),
+            Store::Tensors(kv) => {
+                let [h, _, w] = kv.0.dims();
+                Some((h, w))
+            }
         };
-        if host.shape() != (kv_heads, d) {
-            let (h, w) = host.shape();
+        if let Some((h, w)) = shape.filter(|&s| s != (kv_heads, d)) {
             return Err(ModelError::InvalidArgument(format!(
                 "a cache of {h} heads × {w} used by a layer of {kv_heads} × {d}"
             )));
         }
+        let store = std::mem::replace(&mut self.store, Store::Empty);
+        let mut host = match store {
+            Store::Host(host) if host.dtype() == dtype => host,
+            Store::Host(host) => {
+                let (k, v) = host.rows(self.len);
+                let (h, w) = host.shape();
+                HostKv::from_rows(dtype, h, w, &k, &v)
+            }
+            Store::Tensors(kv) => match from_tensors(&kv.0, &kv.1, self.len, dtype) {
+                Ok(host) => host,
+                Err(e) => {
+                    // Keep the positions for the burn path.
+                    self.store = Store::Tensors(kv);
+                    return Err(e);
+                }
+            },
+            Store::Empty => HostKv::new(dtype, kv_heads, d),
+        };
         if host.capacity() < end {
             // Grow geometrically.
             let cap = (host.capacity() * 2)
@@ -190,7 +212,7 @@ impl LayerCache {
 }
 
 impl Store {
-    fn insert_host(&mut self, host: KvStore) -> &mut KvStore {
+    fn insert_host(&mut self, host: HostKv) -> &mut HostKv {
         *self = Store::Host(host);
         match self {
             Store::Host(host) => host,
@@ -199,8 +221,9 @@ impl Store {
     }
 }
 
-/// A host store of the first `len` positions of `[kv_heads, capacity, head_dim]` tensors.
-fn from_tensors(k: &Tensor<3>, v: &Tensor<3>, len: usize) -> Result<KvStore> {
+/// A host store of `dtype` of the first `len` positions of `[kv_heads, capacity, head_dim]`
+/// tensors.
+fn from_tensors(k: &Tensor<3>, v: &Tensor<3>, len: usize, dtype: KvDtype) -> Result<HostKv> {
     let [heads, _, dim] = k.dims();
     let rows = |t: &Tensor<3>| -> Result<Vec<f32>> {
         let data = t.clone().narrow(1, 0, len).swap_dims(0, 1).into_data();
@@ -208,11 +231,11 @@ fn from_tensors(k: &Tensor<3>, v: &Tensor<3>, len: usize) -> Result<KvStore> {
             .try_into_vec::<f32>()
             .map_err(|e| ModelError::InvalidArgument(format!("kv cache: {e:?}")))
     };
-    Ok(KvStore::from_rows(heads, dim, &rows(k)?, &rows(v)?))
+    Ok(HostKv::from_rows(dtype, heads, dim, &rows(k)?, &rows(v)?))
 }
 
 /// `[heads, len, dim]` tensors of the first `len` positions of a host store.
-fn to_tensors(host: &KvStore, len: usize, device: &Device) -> (Tensor<3>, Tensor<3>) {
+fn to_tensors(host: &HostKv, len: usize, device: &Device) -> (Tensor<3>, Tensor<3>) {
     let (heads, dim) = host.shape();
     let (k, v) = host.rows(len);
     let tensor = |rows: Vec<f32>| {
@@ -321,6 +344,61 @@ mod tests {
             .assert_eq(&rows(2, t, 4, 1.0, &device).into_data(), true);
         v.into_data()
             .assert_eq(&rows(2, t, 4, 2.0, &device).into_data(), true);
+    }
+
+    /// A cache moves between the burn path and host stores of either dtype, keeping its
+    /// positions (rounded once to f16 where a store holds f16).
+    #[test]
+    fn host_stores_convert_between_dtypes_and_tensors() {
+        let device = Device::default();
+        let (heads, t, dim) = (2, 5, 16);
+        let fine = |base: f32| -> Vec<f32> {
+            (0..heads * t * dim)
+                .map(|i| base + i as f32 * 1.0001e-3)
+                .collect()
+        };
+        let (k, v) = (fine(0.1), fine(-0.3));
+        let as_tensor = |x: &[f32]| {
+            // [t, heads, dim] rows as the [heads, t, dim] tensor `append` takes.
+            Tensor::<3>::from_data(TensorData::new(x.to_vec(), [t, heads, dim]), &device)
+                .swap_dims(0, 1)
+        };
+        let mut cache = LayerCache::new();
+        cache.append(as_tensor(&k), as_tensor(&v), 4096).unwrap();
+        let f32_rows = cache
+            .host_store(heads, dim, t, 4096, KvDtype::F32)
+            .unwrap()
+            .rows(t);
+        assert_eq!(f32_rows, (k.clone(), v.clone()));
+        let f16 = cache.host_store(heads, dim, t, 4096, KvDtype::F16).unwrap();
+        assert_eq!(f16.dtype(), KvDtype::F16);
+        let round = |x: &[f32]| -> Vec<f32> {
+            x.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect()
+        };
+        assert_eq!(f16.rows(t), (round(&k), round(&v)));
+        assert_ne!(round(&k), k);
+        let wrong = cache.host_store(heads + 1, dim, t, 4096, KvDtype::F16);
+        assert!(matches!(wrong, Err(ModelError::InvalidArgument(_))));
+        let beyond = cache.host_store(heads, dim, 5000, 4096, KvDtype::F16);
+        assert!(matches!(beyond, Err(ModelError::ContextOverflow { .. })));
+        // The failed calls lost nothing; back on the burn path the positions are the rounded
+        // ones.
+        let one = |x: &[f32]| {
+            Tensor::<3>::from_data(
+                TensorData::new(x[..heads * dim].to_vec(), [heads, 1, dim]),
+                &device,
+            )
+        };
+        let (kt, vt) = cache.append(one(&k), one(&v), 4096).unwrap();
+        assert_eq!(kt.dims(), [heads, t + 1, dim]);
+        let first = |x: Tensor<3>| -> Vec<f32> {
+            x.narrow(1, 0, t)
+                .swap_dims(0, 1)
+                .into_data()
+                .to_vec::<f32>()
+                .unwrap()
+        };
+        assert_eq!((first(kt), first(vt)), (round(&k), round(&v)));
     }
 
     #[test]

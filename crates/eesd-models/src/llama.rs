@@ -358,9 +358,15 @@ impl Llama {
         // Row r attends to past + r + 1 positions.
         let attended: f64 = (0..rows).map(|r| (past + r + 1) as f64).sum();
         let attention = 4.0 * layers * c.num_heads as f64 * d * attended;
+        // Cached keys and values as the CPU layer stores them: f32 beside f32 weights, else f16.
+        let f32_model = self
+            .layers
+            .first()
+            .is_none_or(|l| l.native.get(&l.wqkv).is_none() && l.wqkv.dtype() == DType::F32);
+        let element = if f32_model { 4.0 } else { 2.0 };
         ForwardCost {
             weight_bytes: bytes,
-            cache_bytes: 2.0 * layers * (past + rows) as f64 * c.num_kv_heads as f64 * d * 4.0,
+            cache_bytes: 2.0 * layers * (past + rows) as f64 * c.num_kv_heads as f64 * d * element,
             flops: 2.0 * params * rows as f64 + attention,
             int8_ops: 2.0 * quantized * rows as f64,
         }

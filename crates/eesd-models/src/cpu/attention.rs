@@ -12,11 +12,15 @@
 //! in a fixed order that depends only on the row's own positions, so a block gives the same bits
 //! as its rows one at a time, and the register width (8 or 16 lanes, portable or SIMD) changes
 //! only how many chains run side by side: every path gives the same bits.
+//!
+//! Keys and values are stored in f32 or f16 ([`KvDtype`]): f16 halves what a decoding step
+//! streams from a long cache (with 4-bit weights the cache of 1,000 positions is a third of a
+//! step's bytes) and converts exactly to f32 when loaded, so the arithmetic is unchanged.
 
 use std::cell::RefCell;
 
 use super::isa::Isa;
-use super::lanes::{Lanes, Soft};
+use super::lanes::{Lanes, Soft, WeightElement};
 use super::pool::{Disjoint, Pool};
 use super::rows::{exp, max, sum};
 use eesd_core::TreeMask;
@@ -53,12 +57,15 @@ impl Heads {
 /// Keys and values of one layer on the host, in the layout [`attend`] reads: each kv head's
 /// keys and values are one contiguous run, so a task reading a head's chunk streams memory in
 /// order (long caches come from DRAM, where scattered runs leave the prefetchers idle).
+///
+/// `E` is the stored element (`f32` or [`half::f16`]): values are rounded to it when written
+/// and read back exactly as f32.
 #[derive(Debug, Clone, Default)]
-pub struct KvStore {
+pub struct KvStore<E = f32> {
     /// `[kv_head][position / 8][d][position % 8]`, `capacity` positions per head.
-    k: Vec<f32>,
+    k: Vec<E>,
     /// `[kv_head][position][d]`, `capacity` positions per head.
-    v: Vec<f32>,
+    v: Vec<E>,
     kv_heads: usize,
     d: usize,
     capacity: usize,
@@ -66,7 +73,7 @@ pub struct KvStore {
     block: usize,
 }
 
-impl KvStore {
+impl<E: WeightElement> KvStore<E> {
     /// An empty store for `kv_heads` heads of width `d`, in the key layout of this CPU's
     /// widest kernel (blocks of 16 positions with AVX-512 where `d` is a multiple of 16, else 8).
     pub fn new(kv_heads: usize, d: usize) -> Self {
@@ -106,8 +113,8 @@ impl KvStore {
             return;
         }
         let (old, d) = (self.capacity * self.d, self.d);
-        let mut k = vec![0.0; self.kv_heads * positions * d];
-        let mut v = vec![0.0; self.kv_heads * positions * d];
+        let mut k = vec![E::default(); self.kv_heads * positions * d];
+        let mut v = vec![E::default(); self.kv_heads * positions * d];
         for h in 0..self.kv_heads {
             let (from, to) = (h * old, h * positions * d);
             k[to..to + old].copy_from_slice(&self.k[from..from + old]);
@@ -133,10 +140,12 @@ impl KvStore {
         let d = self.d;
         for h in 0..self.kv_heads {
             let at = self.value_at(h, pos);
-            self.v[at..at + d].copy_from_slice(&v[h * d..(h + 1) * d]);
+            for (stored, &value) in self.v[at..at + d].iter_mut().zip(&v[h * d..(h + 1) * d]) {
+                *stored = E::from_f32(value);
+            }
             for (c, &value) in k[h * d..(h + 1) * d].iter().enumerate() {
                 let at = self.key_at(h, pos, c);
-                self.k[at] = value;
+                self.k[at] = E::from_f32(value);
             }
         }
     }
@@ -154,28 +163,28 @@ impl KvStore {
         }
     }
 
-    /// The first `len` positions as `[position][kv_head][d]` rows: `(keys, values)`.
+    /// The first `len` positions as `[position][kv_head][d]` f32 rows: `(keys, values)`.
     pub fn rows(&self, len: usize) -> (Vec<f32>, Vec<f32>) {
         let (heads, d) = (self.kv_heads, self.d);
         let mut keys = Vec::with_capacity(len * heads * d);
         let mut values = Vec::with_capacity(len * heads * d);
         for pos in 0..len {
             for h in 0..heads {
-                keys.extend((0..d).map(|c| self.k[self.key_at(h, pos, c)]));
+                keys.extend((0..d).map(|c| self.k[self.key_at(h, pos, c)].to_f32()));
                 let at = self.value_at(h, pos);
-                values.extend_from_slice(&self.v[at..at + d]);
+                values.extend(self.v[at..at + d].iter().map(|v| v.to_f32()));
             }
         }
         (keys, values)
     }
 
-    /// A store holding `[position][kv_head][d]` rows of keys and values.
+    /// A store holding `[position][kv_head][d]` rows of keys and values (rounded to `E`).
     pub fn from_rows(kv_heads: usize, d: usize, keys: &[f32], values: &[f32]) -> Self {
         Self::from_rows_in(KvStore::new(kv_heads, d), keys, values)
     }
 
     /// `store` (empty) filled with `[position][kv_head][d]` rows of keys and values.
-    fn from_rows_in(mut store: KvStore, keys: &[f32], values: &[f32]) -> Self {
+    fn from_rows_in(mut store: KvStore<E>, keys: &[f32], values: &[f32]) -> Self {
         let width = store.kv_heads * store.d;
         let len = values.len() / width.max(1);
         store.reserve(len);
@@ -184,6 +193,90 @@ impl KvStore {
             store.write(pos, &keys[at.clone()], &values[at]);
         }
         store
+    }
+}
+
+/// The element type of a host key/value store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvDtype {
+    /// f32: what an f32 model computes, kept exactly.
+    F32,
+    /// f16 (as llama.cpp stores its cache): half the bytes per position.
+    F16,
+}
+
+/// A host key/value store of either [`KvDtype`].
+#[derive(Debug, Clone)]
+pub enum HostKv {
+    /// f32 keys and values.
+    F32(KvStore<f32>),
+    /// f16 keys and values.
+    F16(KvStore<half::f16>),
+}
+
+impl HostKv {
+    /// An empty store of `dtype` (see [`KvStore::new`]).
+    pub fn new(dtype: KvDtype, kv_heads: usize, d: usize) -> Self {
+        match dtype {
+            KvDtype::F32 => HostKv::F32(KvStore::new(kv_heads, d)),
+            KvDtype::F16 => HostKv::F16(KvStore::new(kv_heads, d)),
+        }
+    }
+
+    /// A store of `dtype` holding `[position][kv_head][d]` rows of keys and values.
+    pub fn from_rows(dtype: KvDtype, kv_heads: usize, d: usize, k: &[f32], v: &[f32]) -> Self {
+        match dtype {
+            KvDtype::F32 => HostKv::F32(KvStore::from_rows(kv_heads, d, k, v)),
+            KvDtype::F16 => HostKv::F16(KvStore::from_rows(kv_heads, d, k, v)),
+        }
+    }
+
+    /// The stored element type.
+    pub fn dtype(&self) -> KvDtype {
+        match self {
+            HostKv::F32(_) => KvDtype::F32,
+            HostKv::F16(_) => KvDtype::F16,
+        }
+    }
+
+    /// `(kv_heads, d)`.
+    pub fn shape(&self) -> (usize, usize) {
+        match self {
+            HostKv::F32(s) => s.shape(),
+            HostKv::F16(s) => s.shape(),
+        }
+    }
+
+    /// Positions there is room for.
+    pub fn capacity(&self) -> usize {
+        match self {
+            HostKv::F32(s) => s.capacity(),
+            HostKv::F16(s) => s.capacity(),
+        }
+    }
+
+    /// [`KvStore::reserve`].
+    pub fn reserve(&mut self, positions: usize) {
+        match self {
+            HostKv::F32(s) => s.reserve(positions),
+            HostKv::F16(s) => s.reserve(positions),
+        }
+    }
+
+    /// [`KvStore::copy_position`].
+    pub fn copy_position(&mut self, from: usize, to: usize) {
+        match self {
+            HostKv::F32(s) => s.copy_position(from, to),
+            HostKv::F16(s) => s.copy_position(from, to),
+        }
+    }
+
+    /// [`KvStore::rows`].
+    pub fn rows(&self, len: usize) -> (Vec<f32>, Vec<f32>) {
+        match self {
+            HostKv::F32(s) => s.rows(len),
+            HostKv::F16(s) => s.rows(len),
+        }
     }
 }
 
@@ -202,10 +295,10 @@ impl KvStore {
 /// in order. Short sequences are one chunk; long ones give every thread work even for one row
 /// (a decoding step), since chunks of one row run as separate tasks.
 #[allow(clippy::too_many_arguments)]
-pub fn attend(
+pub fn attend<E: WeightElement>(
     q: &[f32],
     q_stride: usize,
-    kv: &KvStore,
+    kv: &KvStore<E>,
     first: usize,
     heads: Heads,
     tree: Option<&TreeMask>,
@@ -361,21 +454,21 @@ thread_local! {
 
 /// The query heads that share kv head `head`, for block rows `r0..r0 + rows`: row `r0 + i`
 /// attends causally to `0..=first + r0 + i`, or with `tree` to `0..first` and its ancestors.
-struct Tile<'a> {
+struct Tile<'a, E> {
     /// The tile's first row's queries of this group; rows `q_stride` apart.
     q: &'a [f32],
     q_stride: usize,
     /// Query heads per kv head.
     group: usize,
     rows: usize,
-    kv: &'a KvStore,
+    kv: &'a KvStore<E>,
     head: usize,
     first: usize,
     r0: usize,
     tree: Option<&'a TreeMask>,
 }
 
-impl Tile<'_> {
+impl<E> Tile<'_, E> {
     /// Positions of row `i`'s sequence.
     fn len(&self, i: usize) -> usize {
         match self.tree {
@@ -438,7 +531,7 @@ enum Work {
     Chunk { chunk: usize, parts: Parts },
 }
 
-fn tile_for(isa: Isa, job: &Tile<'_>, work: Work) {
+fn tile_for<E: WeightElement>(isa: Isa, job: &Tile<'_, E>, work: Work) {
     SCRATCH.with_borrow_mut(|scratch| {
         let own = match job.tree {
             Some(_) => own_span(job, job.rows - 1),
@@ -450,26 +543,35 @@ fn tile_for(isa: Isa, job: &Tile<'_>, work: Work) {
         match (isa.supported(), job.kv.block) {
             #[cfg(target_arch = "x86_64")]
             (Isa::Avx512, WIDE) => {
-                #[target_feature(enable = "avx512f,avx2,fma")]
-                unsafe fn avx512(job: &Tile<'_>, scratch: &mut [f32], work: Work) {
-                    unsafe { group_tiled::<std::arch::x86_64::__m512>(job, scratch, work) }
+                #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+                unsafe fn avx512<E: WeightElement>(
+                    job: &Tile<'_, E>,
+                    scratch: &mut [f32],
+                    work: Work,
+                ) {
+                    unsafe { group_tiled::<std::arch::x86_64::__m512, E>(job, scratch, work) }
                 }
-                // SAFETY: the CPU has AVX-512F, AVX2 and FMA; `work` as promised by `attend`.
+                // SAFETY: the CPU has AVX-512F, AVX2, FMA and F16C; `work` as promised by
+                // `attend`.
                 unsafe { avx512(job, scratch, work) }
             }
             #[cfg(target_arch = "x86_64")]
             (Isa::Avx2 | Isa::Avx512, NARROW) => {
-                #[target_feature(enable = "avx2,fma")]
-                unsafe fn avx2(job: &Tile<'_>, scratch: &mut [f32], work: Work) {
-                    unsafe { group_tiled::<std::arch::x86_64::__m256>(job, scratch, work) }
+                #[target_feature(enable = "avx2,fma,f16c")]
+                unsafe fn avx2<E: WeightElement>(
+                    job: &Tile<'_, E>,
+                    scratch: &mut [f32],
+                    work: Work,
+                ) {
+                    unsafe { group_tiled::<std::arch::x86_64::__m256, E>(job, scratch, work) }
                 }
-                // SAFETY: the CPU has AVX2 and FMA; `work` as promised by `attend`.
+                // SAFETY: the CPU has AVX2, FMA and F16C; `work` as promised by `attend`.
                 unsafe { avx2(job, scratch, work) }
             }
             // SAFETY: portable lanes need no special instructions; `work` as promised.
-            (_, WIDE) => unsafe { group_tiled::<Soft<WIDE>>(job, scratch, work) },
+            (_, WIDE) => unsafe { group_tiled::<Soft<WIDE>, E>(job, scratch, work) },
             // SAFETY: as above.
-            _ => unsafe { group_tiled::<Soft<NARROW>>(job, scratch, work) },
+            _ => unsafe { group_tiled::<Soft<NARROW>, E>(job, scratch, work) },
         }
     });
 }
@@ -529,7 +631,7 @@ fn finish(l: f32, out: &mut [f32]) {
 
 /// Scores of a tree row `i`'s own block positions: from the key block holding `first` to its own
 /// row (whole blocks).
-fn own_span(job: &Tile<'_>, i: usize) -> usize {
+fn own_span<E: WeightElement>(job: &Tile<'_, E>, i: usize) -> usize {
     let b = job.kv.block;
     (job.first + job.r0 + i + 1).div_ceil(b) * b - job.first / b * b
 }
@@ -543,29 +645,33 @@ fn own_span(job: &Tile<'_>, i: usize) -> usize {
 /// # Safety
 /// As [`run`].
 #[inline(always)]
-unsafe fn group_tiled<V: Lanes>(job: &Tile<'_>, scratch: &mut [f32], work: Work) {
+unsafe fn group_tiled<V: Lanes, E: WeightElement>(
+    job: &Tile<'_, E>,
+    scratch: &mut [f32],
+    work: Work,
+) {
     unsafe {
         if V::WIDTH == WIDE {
             return match job.group {
-                1 => run::<V, 1, 8, 4>(job, scratch, work),
-                2 => run::<V, 2, 8, 4>(job, scratch, work),
-                3 => run::<V, 3, 8, 4>(job, scratch, work),
-                4 => run::<V, 4, 6, 4>(job, scratch, work),
-                5 => run::<V, 5, 4, 4>(job, scratch, work),
-                6 => run::<V, 6, 4, 4>(job, scratch, work),
-                7 => run::<V, 7, 3, 2>(job, scratch, work),
-                _ => run::<V, 8, 2, 2>(job, scratch, work),
+                1 => run::<V, E, 1, 8, 4>(job, scratch, work),
+                2 => run::<V, E, 2, 8, 4>(job, scratch, work),
+                3 => run::<V, E, 3, 8, 4>(job, scratch, work),
+                4 => run::<V, E, 4, 6, 4>(job, scratch, work),
+                5 => run::<V, E, 5, 4, 4>(job, scratch, work),
+                6 => run::<V, E, 6, 4, 4>(job, scratch, work),
+                7 => run::<V, E, 7, 3, 2>(job, scratch, work),
+                _ => run::<V, E, 8, 2, 2>(job, scratch, work),
             };
         }
         match job.group {
-            1 => run::<V, 1, 8, 8>(job, scratch, work),
-            2 => run::<V, 2, 4, 4>(job, scratch, work),
-            3 => run::<V, 3, 3, 4>(job, scratch, work),
-            4 => run::<V, 4, 2, 2>(job, scratch, work),
-            5 => run::<V, 5, 2, 2>(job, scratch, work),
-            6 => run::<V, 6, 1, 1>(job, scratch, work),
-            7 => run::<V, 7, 1, 1>(job, scratch, work),
-            _ => run::<V, 8, 1, 1>(job, scratch, work),
+            1 => run::<V, E, 1, 8, 8>(job, scratch, work),
+            2 => run::<V, E, 2, 4, 4>(job, scratch, work),
+            3 => run::<V, E, 3, 3, 4>(job, scratch, work),
+            4 => run::<V, E, 4, 2, 2>(job, scratch, work),
+            5 => run::<V, E, 5, 2, 2>(job, scratch, work),
+            6 => run::<V, E, 6, 1, 1>(job, scratch, work),
+            7 => run::<V, E, 7, 1, 1>(job, scratch, work),
+            _ => run::<V, E, 8, 1, 1>(job, scratch, work),
         }
     }
 }
@@ -576,8 +682,8 @@ unsafe fn group_tiled<V: Lanes>(job: &Tile<'_>, scratch: &mut [f32], work: Work)
 /// `V` has 8 lanes and its instructions are supported; `scratch` is as [`tile_for`] sizes it;
 /// the pointers of `work` are as [`attend`] promises.
 #[inline(always)]
-unsafe fn run<V: Lanes, const G: usize, const T: usize, const C: usize>(
-    job: &Tile<'_>,
+unsafe fn run<V: Lanes, E: WeightElement, const G: usize, const T: usize, const C: usize>(
+    job: &Tile<'_, E>,
     scratch: &mut [f32],
     work: Work,
 ) {
@@ -587,7 +693,7 @@ unsafe fn run<V: Lanes, const G: usize, const T: usize, const C: usize>(
     let (partials, own) = rest.split_at_mut(n * G * part);
     unsafe {
         match work {
-            Work::Chunk { chunk: c, parts } => chunk::<V, G, T, C>(job, c, scores, own, parts),
+            Work::Chunk { chunk: c, parts } => chunk::<V, E, G, T, C>(job, c, scores, own, parts),
             Work::Fold { out, stride } => {
                 let parts = Parts {
                     base: partials.as_mut_ptr(),
@@ -596,7 +702,7 @@ unsafe fn run<V: Lanes, const G: usize, const T: usize, const C: usize>(
                 };
                 let mut state = [[(0f32, 0f32); G]; MAX_TILE_ROWS];
                 for c in 0..job.chunks() {
-                    chunk::<V, G, T, C>(job, c, scores, own, parts);
+                    chunk::<V, E, G, T, C>(job, c, scores, own, parts);
                     for (i, state) in state.iter_mut().enumerate().take(n) {
                         if job.len(i) <= c * CHUNK {
                             continue;
@@ -638,8 +744,8 @@ unsafe fn run<V: Lanes, const G: usize, const T: usize, const C: usize>(
 /// As [`run`]; `scores` holds `rows · G · CHUNK` values and `own` (tree tiles) `rows · G ·`
 /// [`own_span`] values.
 #[inline(always)]
-unsafe fn chunk<V: Lanes, const G: usize, const T: usize, const C: usize>(
-    job: &Tile<'_>,
+unsafe fn chunk<V: Lanes, E: WeightElement, const G: usize, const T: usize, const C: usize>(
+    job: &Tile<'_, E>,
     c: usize,
     scores: &mut [f32],
     own: &mut [f32],
@@ -672,10 +778,17 @@ unsafe fn chunk<V: Lanes, const G: usize, const T: usize, const C: usize>(
                 let at = |b: usize| row_s(i).add((b - lo / lanes) * lanes);
                 let key = |b: usize| keys.add(b * block_stride);
                 if block + T <= blocks {
-                    score_tile::<V, G, T>(row_q(i), d, key(block), block_stride, at(block), CHUNK);
+                    score_tile::<V, E, G, T>(
+                        row_q(i),
+                        d,
+                        key(block),
+                        block_stride,
+                        at(block),
+                        CHUNK,
+                    );
                 } else {
                     for b in block..blocks {
-                        score_tile::<V, G, 1>(row_q(i), d, key(b), block_stride, at(b), CHUNK);
+                        score_tile::<V, E, G, 1>(row_q(i), d, key(b), block_stride, at(b), CHUNK);
                     }
                 }
             }
@@ -690,7 +803,7 @@ unsafe fn chunk<V: Lanes, const G: usize, const T: usize, const C: usize>(
                 let blocks = (job.first + job.r0 + i + 1).div_ceil(lanes);
                 for b in base..blocks {
                     let at = o.add((b - base) * lanes);
-                    score_tile::<V, G, 1>(
+                    score_tile::<V, E, G, 1>(
                         row_q(i),
                         d,
                         keys.add(b * block_stride),
@@ -751,8 +864,8 @@ unsafe fn chunk<V: Lanes, const G: usize, const T: usize, const C: usize>(
                     let rows = range.map(|p| (p - lo, p));
                     let (s, o) = (sums(i), parts.at(i, 0));
                     match wide {
-                        true => value_tile::<V, G, C, _>(&s, rows, from > lo, col, o),
-                        false => value_tile::<V, G, 1, _>(&s, rows, from > lo, col, o),
+                        true => value_tile::<V, E, G, C, _>(&s, rows, from > lo, col, o),
+                        false => value_tile::<V, E, G, 1, _>(&s, rows, from > lo, col, o),
                     }
                 }
                 from = to;
@@ -761,8 +874,8 @@ unsafe fn chunk<V: Lanes, const G: usize, const T: usize, const C: usize>(
                 let rows = (stored(i)..hi(i)).map(|p| (p - lo, job.store_row(i, p)));
                 let (s, o) = (sums(i), parts.at(i, 0));
                 match wide {
-                    true => value_tile::<V, G, C, _>(&s, rows, stored(i) > lo, col, o),
-                    false => value_tile::<V, G, 1, _>(&s, rows, stored(i) > lo, col, o),
+                    true => value_tile::<V, E, G, C, _>(&s, rows, stored(i) > lo, col, o),
+                    false => value_tile::<V, E, G, 1, _>(&s, rows, stored(i) > lo, col, o),
                 }
             }
             col += if wide { C } else { 1 };
@@ -776,10 +889,10 @@ unsafe fn chunk<V: Lanes, const G: usize, const T: usize, const C: usize>(
 /// # Safety
 /// As [`run`].
 #[inline(always)]
-unsafe fn score_tile<V: Lanes, const G: usize, const T: usize>(
+unsafe fn score_tile<V: Lanes, E: WeightElement, const G: usize, const T: usize>(
     q: *const f32,
     d: usize,
-    keys: *const f32,
+    keys: *const E,
     block_stride: usize,
     scores: *mut f32,
     padded: usize,
@@ -792,7 +905,7 @@ unsafe fn score_tile<V: Lanes, const G: usize, const T: usize>(
                 *q_h = V::splat(q.add(h * d + c));
             }
             for (t, acc) in acc.iter_mut().enumerate() {
-                let k = V::load(keys.add(t * block_stride + c * V::WIDTH));
+                let k = V::load_weights(keys.add(t * block_stride + c * V::WIDTH));
                 for (a, q_h) in acc.iter_mut().zip(&qs) {
                     *a = V::mul_add(*q_h, k, *a);
                 }
@@ -808,9 +921,9 @@ unsafe fn score_tile<V: Lanes, const G: usize, const T: usize>(
 
 /// Where a value sum reads and writes: probabilities `probs: [G][CHUNK]` (indexed from the
 /// chunk's start), value rows `width` apart, and the heads' sums `head` apart.
-struct ValueSums {
+struct ValueSums<E> {
     probs: *const f32,
-    values: *const f32,
+    values: *const E,
     width: usize,
     head: usize,
 }
@@ -824,11 +937,12 @@ struct ValueSums {
 #[inline(always)]
 unsafe fn value_tile<
     V: Lanes,
+    E: WeightElement,
     const G: usize,
     const C: usize,
     I: Iterator<Item = (usize, usize)>,
 >(
-    s: &ValueSums,
+    s: &ValueSums<E>,
     rows: I,
     more: bool,
     col: usize,
@@ -850,7 +964,7 @@ unsafe fn value_tile<
                 *w = V::splat(s.probs.add(h * CHUNK + p));
             }
             for j in 0..C {
-                let v = V::load(v_row.add(j * V::WIDTH));
+                let v = V::load_weights(v_row.add(j * V::WIDTH));
                 for (acc, w) in acc.iter_mut().zip(&weights) {
                     acc[j] = V::mul_add(*w, v, acc[j]);
                 }
@@ -907,10 +1021,15 @@ mod tests {
         out
     }
 
-    fn run(
+    /// `x` rounded to `E` and back.
+    fn rounded<E: WeightElement>(x: &[f32]) -> Vec<f32> {
+        x.iter().map(|&v| E::from_f32(v).to_f32()).collect()
+    }
+
+    fn run<E: WeightElement>(
         isa_portable: bool,
         q: &[f32],
-        kv: &KvStore,
+        kv: &KvStore<E>,
         first: usize,
         h: Heads,
         pool: &Pool,
@@ -973,18 +1092,25 @@ mod tests {
     }
 
     fn check_block(h: Heads, first: usize, rows: usize) {
+        check_block_of::<f32>(h, first, rows);
+        check_block_of::<half::f16>(h, first, rows);
+    }
+
+    /// As [`check_block`] for keys and values stored as `E` (the reference reads them rounded).
+    fn check_block_of<E: WeightElement>(h: Heads, first: usize, rows: usize) {
         assert!(h.supported());
         let pool = Pool::new(3);
         let n = first + rows;
-        let k = values(n * h.kv * h.d, 1);
-        let v = values(n * h.kv * h.d, 2);
+        let k = rounded::<E>(&values(n * h.kv * h.d, 1));
+        let v = rounded::<E>(&values(n * h.kv * h.d, 2));
         let q = values(rows * h.q * h.d, 3);
         let want = reference(&q, &k, &v, first, h);
         let mut first_layout: Option<Vec<f32>> = None;
         // Both key layouts (8 and, where d allows, 16 positions per block), each read by the
         // portable lanes and by SIMD where the CPU has the matching width: the same bits.
         for layout in [NARROW, WIDE] {
-            let kv = KvStore::from_rows_in(KvStore::with_block(h.kv, h.d, layout), &k, &v);
+            let empty = KvStore::<E>::with_block(h.kv, h.d, layout);
+            let kv = KvStore::from_rows_in(empty, &k, &v);
             assert_eq!(kv.rows(n), (k.clone(), v.clone()));
             let block = run(false, &q, &kv, first, h, &pool);
             for (got, want) in block.iter().zip(&want) {
@@ -1022,6 +1148,11 @@ mod tests {
     }
 
     fn check_tree(first: usize, layout: usize) {
+        check_tree_of::<f32>(first, layout);
+        check_tree_of::<half::f16>(first, layout);
+    }
+
+    fn check_tree_of<E: WeightElement>(first: usize, layout: usize) {
         let h = Heads { q: 9, kv: 3, d: 64 };
         let w = h.q * h.d;
         let kvw = h.kv * h.d;
@@ -1040,7 +1171,7 @@ mod tests {
         let rows = mask.rows();
         let k = values((first + rows) * kvw, 4);
         let v = values((first + rows) * kvw, 5);
-        let store = || KvStore::with_block(h.kv, h.d, layout);
+        let store = || KvStore::<E>::with_block(h.kv, h.d, layout);
         let kv = KvStore::from_rows_in(store(), &k, &v);
         let q = values(rows * w, 6);
         let mut out = vec![0f32; rows * w];
@@ -1068,18 +1199,42 @@ mod tests {
     }
 
     #[test]
+    fn an_f16_store_rounds_to_nearest_and_reads_back_exactly() {
+        let (heads, d) = (2, 16);
+        // Values with more bits than f16 holds (`values` gives multiples of 2^-12).
+        let fine = |seed| -> Vec<f32> {
+            values(3 * heads * d, seed)
+                .iter()
+                .map(|x| x * 1.0001 + 3e-5)
+                .collect()
+        };
+        let (k, v) = (fine(9), fine(10));
+        let f16 = HostKv::from_rows(KvDtype::F16, heads, d, &k, &v);
+        assert_eq!(f16.dtype(), KvDtype::F16);
+        let (k16, v16) = f16.rows(3);
+        assert_eq!(
+            (k16, v16),
+            (rounded::<half::f16>(&k), rounded::<half::f16>(&v))
+        );
+        assert_ne!(rounded::<half::f16>(&k), k, "the test values need rounding");
+        let f32 = HostKv::from_rows(KvDtype::F32, heads, d, &k, &v);
+        assert_eq!(f32.rows(3), (k, v));
+    }
+
+    #[test]
     fn the_store_keeps_its_positions_when_it_grows_and_copies() {
         for layout in [NARROW, WIDE] {
-            check_store(layout);
+            check_store::<f32>(layout);
+            check_store::<half::f16>(layout);
         }
     }
 
-    fn check_store(layout: usize) {
+    fn check_store<E: WeightElement>(layout: usize) {
         let (heads, d) = (3, 16);
         let width = heads * d;
-        let k = values(40 * width, 7);
-        let v = values(40 * width, 8);
-        let empty = KvStore::with_block(heads, d, layout);
+        let k = rounded::<E>(&values(40 * width, 7));
+        let v = rounded::<E>(&values(40 * width, 8));
+        let empty = KvStore::<E>::with_block(heads, d, layout);
         let mut store = KvStore::from_rows_in(empty, &k[..20 * width], &v[..20 * width]);
         store.reserve(40);
         assert!(store.capacity() >= 40);

@@ -14,8 +14,9 @@ use std::sync::Arc;
 use burn::tensor::{Tensor, TensorData};
 use burn_flex::FlexTensor;
 
-use super::attention::{Heads, KvStore, attend};
+use super::attention::{Heads, HostKv, KvDtype, KvStore, attend};
 use super::flex::flex_f32;
+use super::lanes::WeightElement;
 use super::matmul::ShapeError;
 use super::packed::PackedWeight;
 use super::pool::Pool;
@@ -98,6 +99,15 @@ impl Product {
         }
     }
 
+    /// How a layer with these weights stores its keys and values: f32 beside f32 weights (an
+    /// f32 model stays exact), else f16, half the bytes a step reads from a long cache.
+    fn kv_dtype(&self) -> KvDtype {
+        match self {
+            Product::Packed(m) if matches!(**m, PackedWeight::F32(_)) => KvDtype::F32,
+            _ => KvDtype::F16,
+        }
+    }
+
     /// Whether the product reads 8-bit activation rows.
     fn quantized(&self) -> bool {
         matches!(self, Product::Quantized(_))
@@ -166,6 +176,39 @@ thread_local! {
 fn sized(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
     buffer.resize(len, 0.0);
     &mut buffer[..len]
+}
+
+/// A sequence's new rows after the q/k/v product and RoPE: `qkv` rows `width` apart, the
+/// first at position `past`.
+struct New<'a> {
+    qkv: &'a [f32],
+    width: usize,
+    past: usize,
+    heads: Heads,
+    tree: Option<&'a TreeMask>,
+}
+
+impl New<'_> {
+    /// Appends the rows' keys and values to `kv` (positions `past..`) and writes their
+    /// attention into `out`.
+    fn store_and_attend<E: WeightElement>(
+        &self,
+        kv: &mut KvStore<E>,
+        out: &mut [f32],
+        pool: &Pool,
+    ) {
+        let Heads { q: nh, kv: nkv, d } = self.heads;
+        for (i, row) in self.qkv.chunks_exact(self.width).enumerate() {
+            kv.write(
+                self.past + i,
+                &row[nh * d..(nh + nkv) * d],
+                &row[(nh + nkv) * d..],
+            );
+        }
+        attend(
+            self.qkv, self.width, kv, self.past, self.heads, self.tree, out, pool,
+        );
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -268,25 +311,27 @@ fn run(
                 let (cos, sin) = (&cos[pos * d..(pos + 1) * d], &sin[pos * d..(pos + 1) * d]);
                 rope(&mut qkv[r * qkv_w..r * qkv_w + (nh + nkv) * d], d, cos, sin);
             }
-            let mut local = KvStore::new(nkv, d);
+            let dtype = w.wqkv.kv_dtype();
+            let mut local = HostKv::new(dtype, nkv, d);
             let kv = match s.cache.as_deref_mut() {
-                Some(cache) => cache.host_store(nkv, d, past + n, limit)?,
+                Some(cache) => cache.host_store(nkv, d, past + n, limit, dtype)?,
                 None => {
                     local.reserve(n);
                     &mut local
                 }
             };
-            for (i, r) in s.rows.clone().enumerate() {
-                let row = &qkv[r * qkv_w..(r + 1) * qkv_w];
-                kv.write(
-                    past + i,
-                    &row[nh * d..(nh + nkv) * d],
-                    &row[(nh + nkv) * d..],
-                );
-            }
-            let q = &qkv[s.rows.start * qkv_w..];
             let out = &mut attended[s.rows.start * nh * d..s.rows.end * nh * d];
-            attend(q, qkv_w, kv, past, heads, s.tree, out, pool);
+            let new = New {
+                qkv: &qkv[s.rows.start * qkv_w..s.rows.end * qkv_w],
+                width: qkv_w,
+                past,
+                heads,
+                tree: s.tree,
+            };
+            match kv {
+                HostKv::F32(kv) => new.store_and_attend(kv, out, pool),
+                HostKv::F16(kv) => new.store_and_attend(kv, out, pool),
+            }
             if let Some(cache) = s.cache.as_deref_mut() {
                 cache.set_len(past + n);
             }
