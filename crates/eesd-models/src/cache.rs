@@ -395,7 +395,7 @@ mod tests {
             x.narrow(1, 0, t)
                 .swap_dims(0, 1)
                 .into_data()
-                .to_vec::<f32>()
+                .try_to_vec::<f32>()
                 .unwrap()
         };
         assert_eq!((first(kt), first(vt)), (round(&k), round(&v)));
