@@ -20,6 +20,7 @@
 use std::cell::RefCell;
 
 use super::isa::Isa;
+use super::lanes::sealed::Kind;
 use super::lanes::{Lanes, Soft, WeightElement};
 use super::pool::{Disjoint, Pool};
 use super::rows::{exp, max, sum};
@@ -141,11 +142,11 @@ impl<E: WeightElement> KvStore<E> {
         for h in 0..self.kv_heads {
             let at = self.value_at(h, pos);
             for (stored, &value) in self.v[at..at + d].iter_mut().zip(&v[h * d..(h + 1) * d]) {
-                *stored = E::from_f32(value);
+                *stored = to_stored(value);
             }
             for (c, &value) in k[h * d..(h + 1) * d].iter().enumerate() {
                 let at = self.key_at(h, pos, c);
-                self.k[at] = E::from_f32(value);
+                self.k[at] = to_stored(value);
             }
         }
     }
@@ -193,6 +194,16 @@ impl<E: WeightElement> KvStore<E> {
             store.write(pos, &keys[at.clone()], &values[at]);
         }
         store
+    }
+}
+
+/// `value` as a stored element: rounded to nearest and, in f16, held to its largest finite
+/// value (±65,504) rather than overflowing to infinity, which would make a softmax NaN.
+#[inline(always)]
+fn to_stored<E: WeightElement>(value: f32) -> E {
+    match E::KIND {
+        Kind::F16 => E::from_f32(value.clamp(-65_504.0, 65_504.0)),
+        _ => E::from_f32(value),
     }
 }
 
@@ -1219,6 +1230,15 @@ mod tests {
         assert_ne!(rounded::<half::f16>(&k), k, "the test values need rounding");
         let f32 = HostKv::from_rows(KvDtype::F32, heads, d, &k, &v);
         assert_eq!(f32.rows(3), (k, v));
+        // Beyond f16's range: the largest finite value, not infinity; NaN stays NaN.
+        let mut big = vec![1.0f32; heads * d];
+        (big[0], big[1], big[2]) = (1e6, -7e4, f32::NAN);
+        let (kb, vb) = HostKv::from_rows(KvDtype::F16, heads, d, &big, &big).rows(1);
+        assert_eq!(
+            (kb[0], kb[1], vb[0], vb[1]),
+            (65_504.0, -65_504.0, 65_504.0, -65_504.0)
+        );
+        assert!(kb[2].is_nan() && vb[2].is_nan());
     }
 
     #[test]
