@@ -550,32 +550,32 @@ fn tile_for<E: WeightElement>(isa: Isa, job: &Tile<'_, E>, work: Work) {
         };
         let (d, g, n) = (job.kv.d, job.group, job.rows);
         scratch.resize(n * g * (CHUNK + d + 2 + own), 0.0);
-        // The register is as wide as the store's key blocks.
-        match (isa.supported(), job.kv.block) {
-            #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512, WIDE) => {
-                #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-                unsafe fn avx512<E: WeightElement>(
+        // `group_tiled` compiled for one register type with the instructions it needs.
+        #[cfg(target_arch = "x86_64")]
+        macro_rules! with_features {
+            ($name:ident, $features:literal, $lanes:ty) => {
+                #[target_feature(enable = $features)]
+                unsafe fn $name<E: WeightElement>(
                     job: &Tile<'_, E>,
                     scratch: &mut [f32],
                     work: Work,
                 ) {
-                    unsafe { group_tiled::<std::arch::x86_64::__m512, E>(job, scratch, work) }
+                    unsafe { group_tiled::<$lanes, E>(job, scratch, work) }
                 }
+            };
+        }
+        // The register is as wide as the store's key blocks.
+        match (isa.supported(), job.kv.block) {
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512, WIDE) => {
+                with_features!(avx512, "avx512f,avx2,fma,f16c", std::arch::x86_64::__m512);
                 // SAFETY: the CPU has AVX-512F, AVX2, FMA and F16C; `work` as promised by
                 // `attend`.
                 unsafe { avx512(job, scratch, work) }
             }
             #[cfg(target_arch = "x86_64")]
             (Isa::Avx2 | Isa::Avx512, NARROW) => {
-                #[target_feature(enable = "avx2,fma,f16c")]
-                unsafe fn avx2<E: WeightElement>(
-                    job: &Tile<'_, E>,
-                    scratch: &mut [f32],
-                    work: Work,
-                ) {
-                    unsafe { group_tiled::<std::arch::x86_64::__m256, E>(job, scratch, work) }
-                }
+                with_features!(avx2, "avx2,fma,f16c", std::arch::x86_64::__m256);
                 // SAFETY: the CPU has AVX2, FMA and F16C; `work` as promised by `attend`.
                 unsafe { avx2(job, scratch, work) }
             }
