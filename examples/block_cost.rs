@@ -100,7 +100,8 @@ fn main() -> Result<()> {
         let mut row = serde_json::json!({
             "dtype": dtype.name(), "block": block, "past": past, "ms": best * 1e3,
             "ratio": best / base,
-            "weight_mb": cost.weight_bytes / 1e6, "gflop": cost.flops / 1e9,
+            "weight_mb": cost.weight_bytes / 1e6, "cache_mb": cost.cache_bytes / 1e6,
+            "gflop": cost.flops / 1e9,
             "int8_gop": cost.int8_ops / 1e9,
         });
         let mut line = format!(
