@@ -30,7 +30,7 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
     rows: Vec<usize>,
     /// Stored key/value types: f32 (f32 models) and f16 (quantized, f16 and bf16 models).
-    #[arg(long, value_delimiter = ',', default_value = "f32,f16", value_parser = parse_kv)]
+    #[arg(long, value_delimiter = ',', default_value = "f32,f16")]
     kv: Vec<KvDtype>,
     /// Layers per forward.
     #[arg(long, default_value_t = 30)]
@@ -60,21 +60,6 @@ struct Case {
     queries: Vec<f32>,
     out: Vec<f32>,
     best: f64,
-}
-
-fn parse_kv(s: &str) -> Result<KvDtype, String> {
-    match s {
-        "f32" => Ok(KvDtype::F32),
-        "f16" => Ok(KvDtype::F16),
-        other => Err(format!("unknown key/value type `{other}` (f32 or f16)")),
-    }
-}
-
-fn kv_name(kv: KvDtype) -> &'static str {
-    match kv {
-        KvDtype::F32 => "f32",
-        KvDtype::F16 => "f16",
-    }
 }
 
 /// Deterministic values in [-0.5, 0.5): enough spread for a realistic softmax.
@@ -142,11 +127,7 @@ fn main() -> Result<()> {
     for case in &cases {
         let layers = args.layers as f64;
         let total = (case.context + case.rows) as f64;
-        let element = match case.kv {
-            KvDtype::F32 => 4.0,
-            KvDtype::F16 => 2.0,
-        };
-        let bytes = layers * 2.0 * total * width as f64 * element;
+        let bytes = layers * 2.0 * total * (width * case.kv.bytes()) as f64;
         // Row i sees context + i + 1 positions.
         let seen = case.rows as f64 * (case.context as f64 + (case.rows as f64 + 1.0) / 2.0);
         let flops = layers * seen * 2.0 * 2.0 * (heads.q * heads.d) as f64;
@@ -155,7 +136,7 @@ fn main() -> Result<()> {
         if !args.output.json {
             println!(
                 "kv {} context {:5} rows {:2}: {:7.3} ms ({:5.1} GB/s, {:6.1} GFLOP/s), roofline {:6.3} ms ({}-bound), efficiency {efficiency:.2}",
-                kv_name(case.kv),
+                case.kv.name(),
                 case.context,
                 case.rows,
                 case.best * 1e3,
@@ -166,7 +147,7 @@ fn main() -> Result<()> {
             );
         }
         results.push(serde_json::json!({
-            "kv": kv_name(case.kv), "context": case.context, "rows": case.rows, "ms": case.best * 1e3,
+            "kv": case.kv.name(), "context": case.context, "rows": case.rows, "ms": case.best * 1e3,
             "bytes": bytes, "flops": flops, "roofline_ms": limit * 1e3,
             "efficiency": efficiency,
         }));

@@ -23,8 +23,7 @@ use anyhow::{Result, bail};
 use clap::Parser;
 use eesd::core::{Backend, DraftHead, SamplingParams};
 use eesd::models::{
-    HeadKind, LayerHead, Llama, LoadOptions, LoadedModel, VocabSubset, WeightDType, fetch,
-    load_layer_head,
+    HeadKind, LayerHead, Llama, LoadOptions, LoadedModel, VocabSubset, fetch, load_layer_head,
 };
 use eesd::train::checkpoint::FORMAT_VERSION;
 use eesd::train::{
@@ -435,10 +434,7 @@ fn main() -> Result<()> {
         .map(|dir| {
             // The key/value store's element type is part of the teacher's numerics (f16 beside
             // non-f32 weights since 2026-11-26): caches made before that are recomputed.
-            let kv = match options.dtype {
-                WeightDType::F32 => "f32",
-                _ => "f16",
-            };
+            let kv = m.kv_dtype().name();
             let identity = format!("{sha} {:?} {:?} kv {kv}", args.device, options.dtype);
             TeacherCache::open(dir, identity)
         })

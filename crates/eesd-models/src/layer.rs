@@ -16,6 +16,7 @@ use eesd_core::TreeMask;
 use crate::cache::LayerCache;
 use crate::config::LlamaConfig;
 use crate::cpu::PackedCache;
+use crate::cpu::attention::KvDtype;
 use crate::error::{ModelError, Result};
 use crate::native::{NativeWeights, quant_linear};
 use crate::rope::Rope;
@@ -247,6 +248,15 @@ pub struct DecoderLayer {
 }
 
 impl DecoderLayer {
+    /// How the CPU layer stores this layer's keys and values: f32 beside f32 weights (an f32
+    /// model stays exact), else f16, half the bytes a step reads from a long cache.
+    pub fn kv_dtype(&self) -> KvDtype {
+        match self.native.get(&self.wqkv).is_none() && self.wqkv.dtype() == DType::F32 {
+            true => KvDtype::F32,
+            false => KvDtype::F16,
+        }
+    }
+
     /// Runs the layer on `x: [t, hidden]`. With a cache, the new keys/values are appended and
     /// attention covers every cached position; without one, attention covers `x` alone.
     ///

@@ -9,6 +9,7 @@ use eesd_core::TreeMask;
 
 use crate::cache::{KvCache, LayerCache};
 use crate::config::LlamaConfig;
+use crate::cpu::attention::KvDtype;
 use crate::cpu::matmul::ShapeError;
 use crate::cpu::{PackedCache, QuantMatrix};
 use crate::error::{ModelError, Result};
@@ -358,18 +359,22 @@ impl Llama {
         // Row r attends to past + r + 1 positions.
         let attended: f64 = (0..rows).map(|r| (past + r + 1) as f64).sum();
         let attention = 4.0 * layers * c.num_heads as f64 * d * attended;
-        // Cached keys and values as the CPU layer stores them: f32 beside f32 weights, else f16.
-        let f32_model = self
-            .layers
-            .first()
-            .is_none_or(|l| l.native.get(&l.wqkv).is_none() && l.wqkv.dtype() == DType::F32);
-        let element = if f32_model { 4.0 } else { 2.0 };
+        // Cached keys and values as the CPU layer stores them.
+        let element = self.kv_dtype().bytes() as f64;
         ForwardCost {
             weight_bytes: bytes,
             cache_bytes: 2.0 * layers * (past + rows) as f64 * c.num_kv_heads as f64 * d * element,
             flops: 2.0 * params * rows as f64 + attention,
             int8_ops: 2.0 * quantized * rows as f64,
         }
+    }
+
+    /// How the CPU layer stores this model's cached keys and values
+    /// ([`DecoderLayer::kv_dtype`]).
+    pub fn kv_dtype(&self) -> KvDtype {
+        self.layers
+            .first()
+            .map_or(KvDtype::F32, DecoderLayer::kv_dtype)
     }
 
     /// An empty KV cache sized for this model.

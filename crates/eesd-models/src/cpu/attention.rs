@@ -216,6 +216,36 @@ pub enum KvDtype {
     F16,
 }
 
+impl KvDtype {
+    /// Bytes per stored value.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 => 2,
+        }
+    }
+
+    /// `f32` or `f16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+        }
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(KvDtype::F32),
+            "f16" => Ok(KvDtype::F16),
+            other => Err(format!("unknown key/value type `{other}` (f32 or f16)")),
+        }
+    }
+}
+
 /// A host key/value store of either [`KvDtype`].
 #[derive(Debug, Clone)]
 pub enum HostKv {

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use burn::tensor::{Tensor, TensorData};
 use burn_flex::FlexTensor;
 
-use super::attention::{Heads, HostKv, KvDtype, KvStore, attend};
+use super::attention::{Heads, HostKv, KvStore, attend};
 use super::flex::flex_f32;
 use super::lanes::WeightElement;
 use super::matmul::ShapeError;
@@ -96,15 +96,6 @@ impl Product {
             (Product::Packed(m), _) => m.matmul(x, y),
             (Product::Quantized(m), Some(acts)) => m.matmul_quantized(acts, y),
             (Product::Quantized(m), None) => m.matmul(x, y),
-        }
-    }
-
-    /// How a layer with these weights stores its keys and values: f32 beside f32 weights (an
-    /// f32 model stays exact), else f16, half the bytes a step reads from a long cache.
-    fn kv_dtype(&self) -> KvDtype {
-        match self {
-            Product::Packed(m) if matches!(**m, PackedWeight::F32(_)) => KvDtype::F32,
-            _ => KvDtype::F16,
         }
     }
 
@@ -311,7 +302,7 @@ fn run(
                 let (cos, sin) = (&cos[pos * d..(pos + 1) * d], &sin[pos * d..(pos + 1) * d]);
                 rope(&mut qkv[r * qkv_w..r * qkv_w + (nh + nkv) * d], d, cos, sin);
             }
-            let dtype = w.wqkv.kv_dtype();
+            let dtype = layer.kv_dtype();
             let mut local = HostKv::new(dtype, nkv, d);
             let kv = match s.cache.as_deref_mut() {
                 Some(cache) => cache.host_store(nkv, d, past + n, limit, dtype)?,
