@@ -122,6 +122,10 @@ struct Args {
     /// Weight of the extra cross-entropy term on the full model's greedy token (0 = KL only).
     #[arg(long, default_value_t = 0.0)]
     ce_weight: f32,
+    /// Train on the positions that predict answer tokens only (what drafting meets), not on
+    /// the prompts' positions (by default both).
+    #[arg(long)]
+    answers_only: bool,
     /// Prompts held out for evaluation (the first ones): their greedy answers are evaluated,
     /// none of their answers is trained on.
     #[arg(long, default_value_t = 40)]
@@ -380,6 +384,7 @@ fn main() -> Result<()> {
     let config = DistillConfig {
         learning_rate: args.lr,
         ce_weight: args.ce_weight,
+        answers_only: args.answers_only,
         warmup_steps: args.steps / 20,
         total_steps: args.steps,
         ..Default::default()
@@ -476,7 +481,8 @@ fn main() -> Result<()> {
                 teacher
             }
             None => Teacher::new(m, &batch, &due)?,
-        };
+        }
+        .with_prompt_lengths(sequences.iter().map(|s| s.prompt_len).collect())?;
         for run in runs.iter_mut().filter(|r| due.contains(&r.exit_layer)) {
             let loss = run.distiller.train_step_on(&teacher)?;
             let smooth = run.running.map_or(loss, |r| 0.95 * r + 0.05 * loss);
@@ -560,7 +566,7 @@ fn main() -> Result<()> {
             vocab_subset: head.token_ids().map(<[u32]>::to_vec),
             training: serde_json::json!({
                 "distill": config, "init_layer": args.init_head.is_none().then_some(init), "init_head": args.init_head.as_ref().map(|p| p.display().to_string()), "prompts": args.num_prompts, "sequences": held_out.len() + train.len(), "sampled_per_prompt": args.sampled, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
-                "held_out": held, "answer_tokens": args.answer_tokens, "tokens_per_step": args.tokens_per_step, "loss": format!("KL(teacher || student) over the draft vocabulary + {} x CE(greedy token)", args.ce_weight),
+                "held_out": held, "answer_tokens": args.answer_tokens, "tokens_per_step": args.tokens_per_step, "loss": format!("KL(teacher || student) over the draft vocabulary + {} x CE(greedy token), on {}", args.ce_weight, if config.answers_only { "answer positions" } else { "all positions" }),
                 "exit_layers_trained_together": layers, "generation_seconds": run.generation_seconds, "train_tokens_per_second": train_tokens_per_second, "total_seconds": seconds,
             }),
             metrics: serde_json::json!({ "before": before, "after": after, "history": history }),

@@ -40,6 +40,12 @@ pub struct DistillConfig {
     /// draft vocabulary are skipped.
     #[serde(default)]
     pub ce_weight: f32,
+    /// Train only on the positions that predict answer tokens (what drafting meets; evaluation
+    /// scores the same ones), not on the prompts' positions, which are more than half of the
+    /// model's self-generated data and follow the users' text rather than the model. The
+    /// block's prompt lengths must be known ([`Teacher::with_prompt_lengths`]).
+    #[serde(default)]
+    pub answers_only: bool,
 }
 
 impl Default for DistillConfig {
@@ -51,6 +57,7 @@ impl Default for DistillConfig {
             weight_decay: 0.01,
             grad_clip_norm: 1.0,
             ce_weight: 0.0,
+            answers_only: false,
         }
     }
 }
@@ -158,6 +165,8 @@ pub struct Teacher {
     argmax: Vec<u32>,
     /// Lengths of the sequences packed in the block.
     lengths: Vec<usize>,
+    /// Lengths of their prompts, where known ([`Teacher::with_prompt_lengths`]).
+    prompt_lengths: Option<Vec<usize>>,
 }
 
 impl Teacher {
@@ -249,7 +258,50 @@ impl Teacher {
             logits,
             argmax,
             lengths,
+            prompt_lengths: None,
         })
+    }
+
+    /// The same block with the prompt length of each of its sequences (in order), so that a
+    /// head trained with [`DistillConfig::answers_only`] learns only where answers are predicted.
+    pub fn with_prompt_lengths(mut self, prompt_lengths: Vec<usize>) -> Result<Self> {
+        let fits = prompt_lengths.len() == self.lengths.len()
+            && prompt_lengths
+                .iter()
+                .zip(&self.lengths)
+                .all(|(p, n)| p <= n);
+        if !fits {
+            return Err(TrainError::InvalidConfig(format!(
+                "prompt lengths {prompt_lengths:?} for sequences of lengths {:?}",
+                self.lengths
+            )));
+        }
+        self.prompt_lengths = Some(prompt_lengths);
+        Ok(self)
+    }
+
+    /// Which of the block rows `rows` (ascending) predict answer tokens: a row at position `i`
+    /// of its sequence predicts token `i + 1`, an answer token from the prompt's last position on.
+    /// Indices into `rows`.
+    fn answer_rows(&self, rows: &[usize]) -> Result<Vec<usize>> {
+        let prompts = self.prompt_lengths.as_ref().ok_or_else(|| {
+            TrainError::InvalidConfig(
+                "training on answers only needs the block's prompt lengths".into(),
+            )
+        })?;
+        // The first row of each sequence that predicts an answer token, and where it ends.
+        let mut spans = Vec::with_capacity(prompts.len());
+        let mut start = 0;
+        for (&len, &prompt) in self.lengths.iter().zip(prompts) {
+            spans.push((start + prompt.saturating_sub(1), start + len));
+            start += len;
+        }
+        Ok(rows
+            .iter()
+            .enumerate()
+            .filter(|&(_, &r)| spans.iter().any(|&(from, end)| (from..end).contains(&r)))
+            .map(|(i, _)| i)
+            .collect())
     }
 
     /// Positions in the block.
@@ -410,7 +462,8 @@ impl<'m> Distiller<'m> {
     /// for each student row the teacher row whose distribution it learns: the same row for a
     /// chain head; for a lookahead head, which reads a position's state and the token after
     /// it, the next row (the last position of each sequence has no such row and is left out).
-    fn student(&self, teacher: &Teacher) -> Result<(Tensor<2>, Vec<usize>)> {
+    /// With `answers_only`, only the rows that predict answer tokens.
+    fn student(&self, teacher: &Teacher, answers_only: bool) -> Result<(Tensor<2>, Vec<usize>)> {
         let c = self.model.config();
         let hidden = teacher.hidden(self.exit_layer)?;
         let (input, lengths, rows) = match self.weights.kind {
@@ -443,6 +496,19 @@ impl<'m> Distiller<'m> {
         };
         let ctx = AttentionContext::packed(&self.rope, c, &lengths)?;
         let h = self.weights.forward(input, &self.rope, &ctx, None, c)?;
+        // Every row runs the head's layer (the answers attend to their prompts); only those
+        // scored go through the projection.
+        let keep = match answers_only {
+            true => Some(teacher.answer_rows(&rows)?).filter(|keep| keep.len() < rows.len()),
+            false => None,
+        };
+        let (h, rows) = match keep {
+            Some(keep) => {
+                let picked = index(keep.iter().copied(), &h.device());
+                (h.select(0, picked), keep.iter().map(|&k| rows[k]).collect())
+            }
+            None => (h, rows),
+        };
         // Autodiff tensors: burn's matmul (the packed kernel is for inference on flex).
         let no_packing = PackedCache::default();
         Ok((
@@ -502,7 +568,7 @@ impl<'m> Distiller<'m> {
     /// [`Distiller::train_step`] on a block the frozen model has already run over, e.g. one
     /// [`Teacher`] shared by heads at several exit layers (it must hold this head's layer).
     pub fn train_step_on(&mut self, teacher: &Teacher) -> Result<f64> {
-        let (student, rows) = self.student(teacher)?;
+        let (student, rows) = self.student(teacher, self.config.answers_only)?;
         let target = self.targets(teacher, &rows);
         let mut loss = Self::kl(target, student.clone());
         if self.config.ce_weight > 0.0 {
@@ -525,7 +591,7 @@ impl<'m> Distiller<'m> {
         let (mut kl, mut agree, mut accepted, mut positions) = (0.0, 0usize, 0.0, 0usize);
         for seq in sequences.iter().filter(|s| s.tokens.len() >= 2) {
             let teacher = Teacher::new(self.model, &[&seq.tokens], &[self.exit_layer])?;
-            let (student, learnt) = self.student(&teacher)?;
+            let (student, learnt) = self.student(&teacher, false)?;
             // Score the rows that predict answer tokens: from the last prompt position on.
             let from = seq.prompt_len.saturating_sub(1).min(seq.tokens.len() - 1);
             let first = learnt

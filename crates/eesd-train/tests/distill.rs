@@ -826,3 +826,76 @@ fn a_lookahead_head_reads_the_last_layer_and_refuses_chains() {
     assert!(LayerHead::from_model(&model, HeadKind::Layer, layers, 0, None).is_err());
     assert!(LayerHead::from_model(&model, HeadKind::Lookahead, layers + 1, 0, None).is_err());
 }
+
+#[test]
+fn training_on_answers_only_scores_the_positions_evaluation_scores() {
+    let model = tiny(27);
+    let data: Vec<Sequence> = self_generated(&model, 3, 12)
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| Sequence {
+            prompt_len: 2 + i,
+            ..s
+        })
+        .collect();
+    for kind in [HeadKind::Layer, HeadKind::Lookahead] {
+        let exit = if kind == HeadKind::Lookahead { 4 } else { 2 };
+        let fresh = |answers_only: bool| {
+            let head = LayerHead::from_model(&model, kind, exit, 3, None).unwrap();
+            let config = DistillConfig {
+                answers_only,
+                ..Default::default()
+            };
+            Distiller::new(&model, head, config).unwrap()
+        };
+        let teacher = |seqs: &[Sequence]| {
+            let tokens: Vec<&[u32]> = seqs.iter().map(|s| s.tokens.as_slice()).collect();
+            Teacher::new(&model, &tokens, &[exit]).unwrap()
+        };
+        let prompts = |seqs: &[Sequence]| seqs.iter().map(|s| s.prompt_len).collect::<Vec<_>>();
+        // The loss (taken before the update) is the KL evaluation reports on the same rows.
+        let mut alone = Vec::new();
+        for s in &data {
+            let one = std::slice::from_ref(s);
+            let eval = fresh(true).evaluate(one, 4).unwrap();
+            let t = teacher(one).with_prompt_lengths(prompts(one)).unwrap();
+            let loss = fresh(true).train_step_on(&t).unwrap();
+            assert!(
+                (loss - eval.kl).abs() < 1e-4 * eval.kl.max(1.0),
+                "{kind:?}: loss {loss} vs evaluated KL {}",
+                eval.kl
+            );
+            alone.push((loss, eval.positions));
+        }
+        // Packed: the mean over all the block's answer rows.
+        let t = teacher(&data).with_prompt_lengths(prompts(&data)).unwrap();
+        let packed = fresh(true).train_step_on(&t).unwrap();
+        let rows: usize = alone.iter().map(|a| a.1).sum();
+        let mean = alone.iter().map(|(l, n)| l * *n as f64).sum::<f64>() / rows as f64;
+        assert!(
+            (packed - mean).abs() < 1e-4 * mean.max(1.0),
+            "{packed} vs {mean}"
+        );
+        // Without prompt lengths, or with lengths that do not fit, it refuses.
+        assert!(matches!(
+            fresh(true).train_step_on(&teacher(&data)),
+            Err(TrainError::InvalidConfig(_))
+        ));
+        assert!(matches!(
+            teacher(&data).with_prompt_lengths(vec![1, 1]),
+            Err(TrainError::InvalidConfig(_))
+        ));
+        assert!(matches!(
+            teacher(&data).with_prompt_lengths(vec![1, 1, 99]),
+            Err(TrainError::InvalidConfig(_))
+        ));
+        // Every position scored: the loss of training on all of them.
+        let all = teacher(&data[..1]);
+        let with_all = teacher(&data[..1]).with_prompt_lengths(vec![1]).unwrap();
+        let (a, b) = (
+            fresh(false).train_step_on(&all).unwrap(),
+            fresh(true).train_step_on(&with_all).unwrap(),
+        );
+        assert_eq!(a, b, "{kind:?}");
+    }
+}
