@@ -590,20 +590,18 @@ impl<'m> Distiller<'m> {
     pub fn evaluate(&self, sequences: &[Sequence], k: usize) -> Result<EvalMetrics> {
         let (mut kl, mut agree, mut accepted, mut positions) = (0.0, 0usize, 0.0, 0usize);
         for seq in sequences.iter().filter(|s| s.tokens.len() >= 2) {
-            let teacher = Teacher::new(self.model, &[&seq.tokens], &[self.exit_layer])?;
-            let (student, learnt) = self.student(&teacher, false)?;
-            // Score the rows that predict answer tokens: from the last prompt position on.
-            let from = seq.prompt_len.saturating_sub(1).min(seq.tokens.len() - 1);
-            let first = learnt
-                .iter()
-                .position(|&r| r >= from)
-                .unwrap_or(learnt.len());
-            let rows = learnt.len() - first;
+            // Score the rows that predict answer tokens, as `answers_only` training does (a
+            // prompt length beyond the sequence scores its last row).
+            let prompt = seq.prompt_len.min(seq.tokens.len());
+            let teacher = Teacher::new(self.model, &[&seq.tokens], &[self.exit_layer])?
+                .with_prompt_lengths(vec![prompt])?;
+            let (student, learnt) = self.student(&teacher, true)?;
+            let rows = learnt.len();
             if rows == 0 {
                 continue;
             }
-            let student = student.detach().narrow(0, first, rows);
-            let target = self.targets(&teacher, &learnt[first..]);
+            let student = student.detach();
+            let target = self.targets(&teacher, &learnt);
             kl += Self::kl(target, student.clone()).into_scalar::<f32>() as f64 * rows as f64;
             let picks = student
                 .argmax(1)
@@ -613,7 +611,7 @@ impl<'m> Distiller<'m> {
                 .map_err(|e| TrainError::TensorData(format!("{e:?}")))?;
             let ok: Vec<bool> = picks
                 .iter()
-                .zip(learnt[first..].iter().map(|&r| &teacher.argmax[r]))
+                .zip(learnt.iter().map(|&r| &teacher.argmax[r]))
                 .map(|(&p, &a)| {
                     self.subset
                         .as_ref()
