@@ -12,7 +12,8 @@
 //! `recycle@B`, `lookup@B`, `fused@B[:L]`, `opt@B`, `opt@B:auto` or Thompson Sampling over
 //! several, `ts:opt@16:auto|lookup@8` (`DrafterSpec`), optionally
 //! `+HEAD` with the checkpoint prefix of a lookahead head whose drafts of each root's children
-//! join the tree (`opt@8+heads/lookahead`; `opt@8+shipped`: the one in `assets/heads`). For every question the methods run right after
+//! join the tree (`opt@8+heads/lookahead`; `opt@8+shipped`: the one in `assets/heads`;
+//! `opt@8+shipped:3`: three levels along the head's best child). For every question the methods run right after
 //! AR on the same prompt (first turn, chat template), so machine drift cancels in the speedup, and
 //! every method's tokens are compared with AR's: `divergences` must be 0.
 
@@ -65,8 +66,8 @@ struct Args {
     /// probability A); POLICY as `Policy::parse` (fixed:K, threshold:T, beta-ts, calibrated-ts,
     /// cost-ts). Or a tree drafter: `recycle@B`, `lookup@B`, `fused@B[:L]`, `opt@B`,
     /// `opt@B:auto`, `ts:A|B|...` (one of those per round, by Thompson Sampling), with `+HEAD`
-    /// a lookahead head checkpoint whose drafts join its trees (`opt@8+PATH`, `opt@8+shipped`),
-    /// and/or `+ngrams` (adaptive trees add continuations from the `--ngrams` store).
+    /// a lookahead head checkpoint whose drafts join its trees (`opt@8+PATH`, `opt@8+shipped`;
+    /// `+HEAD:LEVELS` drafts that many levels along the head's best child), and/or `+ngrams` (adaptive trees add continuations from the `--ngrams` store).
     #[arg(
         long,
         value_delimiter = ',',
@@ -112,6 +113,8 @@ enum Kind {
     Tree {
         spec: DrafterSpec,
         head: Option<Box<LayerHead>>,
+        /// Levels the head drafts below each root (`+HEAD:LEVELS`, default 1).
+        levels: usize,
         ngrams: bool,
     },
 }
@@ -134,6 +137,11 @@ fn parse_method(name: &str, seed: u64, lm: &LoadedModel, model_sha: &str) -> Res
     if let Some((drafter, head)) = spec.split_once('+')
         && let Ok(drafter) = drafter.parse::<DrafterSpec>()
     {
+        // `+HEAD:LEVELS` drafts that many levels with the head.
+        let (head, levels) = match head.rsplit_once(':') {
+            Some((h, l)) if l.parse::<usize>().is_ok_and(|l| l > 0) => (h, l.parse()?),
+            _ => (head, 1),
+        };
         let (head, _) = load_lookahead_head(heads::lookahead(head), &lm.model, Some(model_sha))
             .with_context(|| {
                 format!("head `{head}` of method `{spec}` (chain heads: HEAD/POLICY)")
@@ -143,6 +151,7 @@ fn parse_method(name: &str, seed: u64, lm: &LoadedModel, model_sha: &str) -> Res
             kind: Kind::Tree {
                 spec: drafter,
                 head: Some(Box::new(head)),
+                levels,
                 ngrams,
             },
         });
@@ -154,6 +163,7 @@ fn parse_method(name: &str, seed: u64, lm: &LoadedModel, model_sha: &str) -> Res
             kind: Kind::Tree {
                 spec: spec.parse()?,
                 head: None,
+                levels: 1,
                 ngrams,
             },
         });
@@ -299,15 +309,18 @@ fn main() -> Result<()> {
                     .with_head(head)
                     .with_policy(policy.clone()),
             ),
-            Kind::Tree { spec, head, ngrams } => {
+            Kind::Tree {
+                spec,
+                head,
+                levels,
+                ngrams,
+            } => {
                 let drafter = spec.build_with(vocab, store.as_ref().filter(|_| *ngrams));
                 Runner::Tree(match head {
                     None => Generator::new(&lm.model).with_drafter(drafter),
-                    Some(head) => Generator::new(&lm.model).with_drafter(HeadDrafter::new(
-                        &lm.model,
-                        head.as_ref(),
-                        drafter,
-                    )),
+                    Some(head) => Generator::new(&lm.model).with_drafter(
+                        HeadDrafter::new(&lm.model, head.as_ref(), drafter).with_levels(*levels),
+                    ),
                 })
             }
         })

@@ -13,6 +13,28 @@ use crate::drafters::DrafterState;
 use crate::error::Result;
 use crate::tree::DraftTree;
 
+/// A node another source (a lookahead head) proposes below the next root.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Suggestion {
+    /// The drafted token.
+    pub token: u32,
+    /// The source's probability of it after its parent.
+    pub probability: f64,
+    /// Its parent's index among the suggestions; `None` for a child of the root.
+    pub parent: Option<usize>,
+}
+
+impl Suggestion {
+    /// A child of the root.
+    pub fn child(token: u32, probability: f64) -> Self {
+        Suggestion {
+            token,
+            probability,
+            parent: None,
+        }
+    }
+}
+
 /// Proposes draft trees and learns from verification.
 pub trait Drafter {
     /// A short name for reports (`recycle`, `lookup`, ...).
@@ -80,11 +102,11 @@ pub trait Drafter {
         Ok(())
     }
 
-    /// Candidate children of the next root from another source (a lookahead head), best first,
-    /// with that source's probabilities, for the next [`Drafter::propose`] only. Returns
-    /// whether this drafter weighs them into its tree (the default ignores them).
-    fn suggest(&mut self, children: &[(u32, f64)]) -> bool {
-        let _ = children;
+    /// Candidate nodes below the next root from another source (a lookahead head), for the
+    /// next [`Drafter::propose`] only: parents before their children, siblings best first.
+    /// Returns whether this drafter weighs them into its tree (the default ignores them).
+    fn suggest(&mut self, suggestions: &[Suggestion]) -> bool {
+        let _ = suggestions;
         false
     }
 
@@ -134,8 +156,8 @@ impl<D: Drafter + ?Sized> Drafter for Box<D> {
     fn features(&mut self, position: usize, hidden: Tensor<2>, next: &[u32]) -> Result<()> {
         (**self).features(position, hidden, next)
     }
-    fn suggest(&mut self, children: &[(u32, f64)]) -> bool {
-        (**self).suggest(children)
+    fn suggest(&mut self, suggestions: &[Suggestion]) -> bool {
+        (**self).suggest(suggestions)
     }
     fn state(&self) -> Option<DrafterState> {
         (**self).state()

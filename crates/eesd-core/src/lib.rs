@@ -27,11 +27,11 @@ pub mod tree;
 
 pub use backend::Backend;
 pub use burn::tensor::Device;
-pub use drafter::Drafter;
+pub use drafter::{Drafter, Suggestion};
 pub use eesd_bandit as bandit;
 pub use error::{CoreError, Result};
 pub use generate::{GenerationConfig, GenerationOutput, GenerationStats, Mode, StopReason};
 pub use generator::{Generator, NoHead};
-pub use model::{DraftHead, DraftLogits, LayeredModel, LookaheadHead};
+pub use model::{DraftHead, DraftLogits, LayeredModel, LookaheadDraft, LookaheadHead};
 pub use sampling::{Sampler, SamplingParams, argmax};
 pub use tree::{DraftTree, TreeMask};

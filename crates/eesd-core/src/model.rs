@@ -107,6 +107,18 @@ pub trait DraftHead<M: LayeredModel> {
     fn truncate(&self, cache: &mut Self::Cache, len: usize);
 }
 
+/// A lookahead head's draft from its last row.
+#[derive(Debug, Clone)]
+pub struct LookaheadDraft {
+    /// Draft logits `[1, n]` for the token after the last `next` token.
+    pub draft: DraftLogits,
+    /// The head's output state of that row `[1, hidden]` (before its norm). The head maps
+    /// (state of position j, token j + 1) to a state that predicts token j + 2, the role of
+    /// the layer-N state of position j + 1; fed back with a drafted token j + 2, it drafts
+    /// token j + 3 without the model (EAGLE-style recursion, the head's own approximation).
+    pub state: Tensor<2>,
+}
+
 /// A lookahead head (EAGLE-style input): from the layer-N hidden state of a verified position
 /// and the token that follows it, it drafts the token after that.
 ///
@@ -122,16 +134,17 @@ pub trait LookaheadHead<M: LayeredModel> {
     fn feature_layer(&self) -> usize;
     /// A fresh head state.
     fn new_cache(&self, model: &M) -> Self::Cache;
-    /// Appends consecutive committed positions to the head's state: `hidden: [t, hidden]`
-    /// their layer-N states and `next[i]` the token that follows position `i`. Returns the
-    /// draft logits `[1, n]` for the token after `next[t - 1]`.
+    /// Appends consecutive positions to the head's state: `hidden: [t, hidden]` their layer-N
+    /// states and `next[i]` the token that follows position `i`. Returns the draft of the
+    /// token after `next[t - 1]`, and the head's state of that row, which stands in for the
+    /// layer-N state of `next[t - 1]`'s position when the head drafts one level deeper.
     fn lookahead(
         &self,
         model: &M,
         hidden: Tensor<2>,
         next: &[u32],
         cache: &mut Self::Cache,
-    ) -> Result<DraftLogits, M::Error>;
+    ) -> Result<LookaheadDraft, M::Error>;
     /// Positions the head has cached.
     fn cached_len(&self, cache: &Self::Cache) -> usize;
     /// Forgets positions `len..`.

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use burn::module::{Module, Param};
 use burn::tensor::{DType, Int, Tensor, TensorData};
-use eesd_core::{DraftHead, DraftLogits, LookaheadHead};
+use eesd_core::{DraftHead, DraftLogits, LookaheadDraft, LookaheadHead};
 
 use crate::cache::LayerCache;
 use crate::config::LlamaConfig;
@@ -319,16 +319,29 @@ impl LayerHeadWeights {
         cache: Option<&mut LayerCache>,
         config: &LlamaConfig,
     ) -> Result<Tensor<2>> {
-        let (c, limit) = (config, config.context_length);
-        let h = match self.kind {
+        let h = self.block(hidden, rope, ctx, cache, config)?;
+        Ok(rms_norm(h, self.norm.val(), config.rms_norm_eps))
+    }
+
+    /// The head's block alone ([`LayerHeadWeights::forward`] without the output norm): the
+    /// residual stream a lookahead head feeds back to draft deeper.
+    pub fn block(
+        &self,
+        hidden: Tensor<2>,
+        rope: &Rope,
+        ctx: &AttentionContext,
+        cache: Option<&mut LayerCache>,
+        config: &LlamaConfig,
+    ) -> Result<Tensor<2>> {
+        let limit = config.context_length;
+        match self.kind {
             HeadKind::Layer | HeadKind::Lookahead => {
-                self.layer.forward(hidden, rope, ctx, cache, limit)?
+                self.layer.forward(hidden, rope, ctx, cache, limit)
             }
             HeadKind::Adapter => self
                 .layer
-                .forward_attention_only(hidden, rope, ctx, cache, limit)?,
-        };
-        Ok(rms_norm(h, self.norm.val(), c.rms_norm_eps))
+                .forward_attention_only(hidden, rope, ctx, cache, limit),
+        }
     }
 }
 
@@ -526,7 +539,7 @@ impl LookaheadHead<Llama> for LayerHead {
         hidden: Tensor<2>,
         next: &[u32],
         cache: &mut LayerCache,
-    ) -> Result<DraftLogits> {
+    ) -> Result<LookaheadDraft> {
         if self.weights.kind != HeadKind::Lookahead {
             return Err(self.wrong_kind("from next tokens (a `lookahead` head does)"));
         }
@@ -537,11 +550,27 @@ impl LookaheadHead<Llama> for LayerHead {
                 next.len()
             )));
         }
-        let eps = model.config().rms_norm_eps;
-        let input = self.weights.fused_input(hidden, model.embed(next)?, eps)?;
-        let h = self.hidden(model, input, Some(cache))?;
-        let rows = h.dims()[0];
-        Ok(self.projection.logits(h.narrow(0, rows - 1, 1)))
+        let c = model.config();
+        let input = self
+            .weights
+            .fused_input(hidden, model.embed(next)?, c.rms_norm_eps)?;
+        let (past, rows) = (cache.len(), next.len());
+        if past + rows > c.context_length {
+            return Err(ModelError::ContextOverflow {
+                needed: past + rows,
+                limit: c.context_length,
+            });
+        }
+        let ctx = AttentionContext::for_config(model.rope(), c, past, rows);
+        let h = self
+            .weights
+            .block(input, model.rope(), &ctx, Some(cache), c)?;
+        let state = h.narrow(0, rows - 1, 1);
+        let normed = rms_norm(state.clone(), self.weights.norm.val(), c.rms_norm_eps);
+        Ok(LookaheadDraft {
+            draft: self.projection.logits(normed),
+            state,
+        })
     }
 
     fn cached_len(&self, cache: &LayerCache) -> usize {

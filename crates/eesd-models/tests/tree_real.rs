@@ -99,8 +99,9 @@ fn greedy_tree_speculation_is_token_identical_to_ar_on_spec_bench() {
 }
 
 /// Trees with a lookahead head's drafts (an untrained one: only how often drafts land can
-/// change, never the tokens), reading a middle layer and the last one: the verification pass
-/// split at the head's layer keeps greedy output identical to AR on the real model.
+/// change, never the tokens), reading a middle layer and the last one, and drafting three
+/// levels on its own state: the verification pass split at the head's layer keeps greedy
+/// output identical to AR on the real model.
 #[test]
 fn greedy_trees_with_a_lookahead_head_are_token_identical_to_ar() {
     let m = model();
@@ -114,11 +115,13 @@ fn greedy_trees_with_a_lookahead_head_are_token_identical_to_ar() {
                 .unwrap()
         })
         .collect();
-    let mut gens: Vec<_> = heads
+    let runs: Vec<(&LayerHead, usize)> = vec![(&heads[0], 1), (&heads[1], 1), (&heads[1], 3)];
+    let mut gens: Vec<_> = runs
         .iter()
-        .map(|head| {
+        .map(|&(head, levels)| {
             let inner = "opt@8".parse::<DrafterSpec>().unwrap().build(vocab);
-            Generator::new(&m.model).with_drafter(HeadDrafter::new(&m.model, head, inner))
+            Generator::new(&m.model)
+                .with_drafter(HeadDrafter::new(&m.model, head, inner).with_levels(levels))
         })
         .collect();
     for q in spec_bench(4) {
@@ -127,7 +130,7 @@ fn greedy_trees_with_a_lookahead_head_are_token_identical_to_ar() {
         let ar = ar_gen
             .generate(&prompt, &base, |_| ControlFlow::Continue(()))
             .unwrap();
-        for (head, g) in heads.iter().zip(&mut gens) {
+        for (&(head, levels), g) in runs.iter().zip(&mut gens) {
             let out = g
                 .generate(&prompt, &tree_config(&base, "opt@8"), |_| {
                     ControlFlow::Continue(())
@@ -136,7 +139,7 @@ fn greedy_trees_with_a_lookahead_head_are_token_identical_to_ar() {
             assert_eq!(
                 out.tokens,
                 ar.tokens,
-                "question {} ({}), head at layer {}",
+                "question {} ({}), head at layer {}, {levels} levels",
                 q.question_id,
                 q.category,
                 eesd_core::LookaheadHead::feature_layer(head)

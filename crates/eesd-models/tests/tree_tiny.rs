@@ -268,9 +268,10 @@ fn lookahead_head(model: &Llama, n: usize) -> LayerHead {
     LayerHead::from_model(model, HeadKind::Lookahead, n, init, None).unwrap()
 }
 
-/// Lookahead heads in trees, at a middle and at the last layer, weighed into the adaptive tree
-/// (which takes suggestions) or merged ahead of recycling's tree (which ignores them): greedy
-/// output equals AR, with f32 and native weights, up to the context's end.
+/// Lookahead heads in trees, at a middle and at the last layer, drafting one level or three,
+/// weighed into the adaptive tree (which takes suggestions) or merged ahead of recycling's tree
+/// (which ignores them): greedy output equals AR, with f32 and native weights, up to the
+/// context's end.
 #[test]
 fn greedy_trees_with_a_lookahead_head_equal_ar() {
     for seed in [0, 3] {
@@ -292,13 +293,13 @@ fn greedy_trees_with_a_lookahead_head_equal_ar() {
                     tree_budget: budget,
                     ..ar_config.clone()
                 };
-                for inner in ["opt", "recycle"] {
+                for (inner, levels) in [("opt", 1), ("opt", 3), ("recycle", 1), ("recycle", 3)] {
                     let spec: DrafterSpec = format!("{inner}@{budget}").parse().unwrap();
-                    let d = HeadDrafter::new(&model, &head, spec.build(vocab));
+                    let d = HeadDrafter::new(&model, &head, spec.build(vocab)).with_levels(levels);
                     let out = generate(&model, Some(Box::new(d)), &PROMPT, &config);
                     assert_eq!(
                         out.tokens, ar.tokens,
-                        "seed {seed}, layer {n}, {inner}@{budget}"
+                        "seed {seed}, layer {n}, {inner}@{budget}, {levels} levels"
                     );
                 }
             }
@@ -316,7 +317,8 @@ fn greedy_trees_with_a_lookahead_head_equal_ar() {
             &model,
             &head,
             "opt@16".parse::<DrafterSpec>().unwrap().build(vocab),
-        );
+        )
+        .with_levels(3);
         let tree = GenerationConfig {
             mode: Mode::Tree,
             tree_budget: 16,

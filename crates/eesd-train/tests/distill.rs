@@ -155,7 +155,10 @@ fn draft(model: &Llama, head: &LayerHead, tokens: &[u32]) -> Vec<f32> {
             let mut hc = LookaheadHead::new_cache(head, model);
             let next: Vec<u32> = tokens[1..].to_vec();
             let _ = last;
-            head.lookahead(model, h, &next, &mut hc).unwrap().logits
+            head.lookahead(model, h, &next, &mut hc)
+                .unwrap()
+                .draft
+                .logits
         }
         _ => {
             let h = model

@@ -3,12 +3,14 @@
 //!
 //! The head reads the layer-N states that verification computes for every row anyway
 //! ([`LookaheadHead`]), so its drafts cost one pass of the head per round and never a pass
-//! through the model's first layers. It drafts the first level only; the inner drafter
-//! continues below its candidates (Token Recycling's matrix knows what usually follows them).
+//! through the model's first layers. By default it drafts the first level only and the inner
+//! drafter continues below its candidates (Token Recycling's matrix knows what usually follows
+//! them); [`HeadDrafter::with_levels`] drafts deeper along the head's best child, feeding the
+//! head its own state (EAGLE-style), one more pass of the head per level.
 
 use burn::tensor::Tensor;
 
-use crate::drafter::{Drafter, top_k};
+use crate::drafter::{Drafter, Suggestion, top_k};
 use crate::error::{CoreError, Result};
 use crate::generator::host;
 use crate::model::{LayeredModel, LookaheadHead};
@@ -25,9 +27,11 @@ pub struct HeadDrafter<'a, M: LayeredModel, H: LookaheadHead<M>, D> {
     head: &'a H,
     cache: H::Cache,
     inner: D,
-    /// The head's children of the next root, with their draft probabilities, and that root's
-    /// position (children of another position are stale: a new sequence began).
-    children: Vec<(u32, f64)>,
+    /// Levels drafted below the root (1: the root's children only).
+    levels: usize,
+    /// The head's nodes below the next root, with their draft probabilities, and that root's
+    /// position (nodes of another position are stale: a new sequence began).
+    suggested: Vec<Suggestion>,
     root: usize,
 }
 
@@ -39,9 +43,18 @@ impl<'a, M: LayeredModel, H: LookaheadHead<M>, D: Drafter> HeadDrafter<'a, M, H,
             head,
             cache: head.new_cache(model),
             inner,
-            children: Vec::new(),
+            levels: 1,
+            suggested: Vec::new(),
             root: 0,
         }
+    }
+
+    /// Drafts `levels` levels below each root (at least 1): below the root's children, the
+    /// children of the head's best child, and so on, each level one pass of the head on its
+    /// own state of the level before.
+    pub fn with_levels(mut self, levels: usize) -> Self {
+        self.levels = levels.max(1);
+        self
     }
 
     /// The inner drafter.
@@ -49,9 +62,9 @@ impl<'a, M: LayeredModel, H: LookaheadHead<M>, D: Drafter> HeadDrafter<'a, M, H,
         &self.inner
     }
 
-    /// The head's children of the next root, best first, with their draft probabilities.
-    pub fn children(&self) -> &[(u32, f64)] {
-        &self.children
+    /// The head's nodes below the next root: its children best first, then deeper levels.
+    pub fn suggested(&self) -> &[Suggestion] {
+        &self.suggested
     }
 }
 
@@ -78,16 +91,21 @@ impl<M: LayeredModel, H: LookaheadHead<M>, D: Drafter> Drafter for HeadDrafter<'
     }
 
     fn propose(&mut self, context: &[u32], budget: usize) -> DraftTree {
-        let mut children = std::mem::take(&mut self.children);
+        let mut suggested = std::mem::take(&mut self.suggested);
         if context.len() != self.root + 1 {
-            children.clear();
+            suggested.clear();
         }
-        if self.inner.suggest(&children) {
+        if self.inner.suggest(&suggested) {
             return self.inner.propose(context, budget);
         }
+        // The head's best path first, then the inner drafter's tree.
         let mut tree = DraftTree::new();
-        if let Some(&(token, _)) = children.first().filter(|_| budget > 0) {
-            tree.push(token, None);
+        let mut parent = None;
+        for (i, s) in suggested.iter().enumerate() {
+            if s.parent == parent.map(|(index, _)| index) && tree.len() < budget {
+                let node = tree.push(s.token, parent.map(|(_, node)| node));
+                parent = Some((i, node));
+            }
         }
         tree.merge(&self.inner.propose(context, budget), budget);
         tree
@@ -138,18 +156,45 @@ impl<M: LayeredModel, H: LookaheadHead<M>, D: Drafter> Drafter for HeadDrafter<'
             )));
         }
         self.head.truncate(&mut self.cache, position);
-        self.children.clear();
+        self.suggested.clear();
         self.root = position + next.len();
-        let draft = self
+        let mut draft = self
             .head
             .lookahead(self.model, hidden, next, &mut self.cache)
             .map_err(CoreError::model)?;
-        let logits = host(draft.logits)?;
-        self.children = most_probable(
-            &logits,
-            draft.token_ids.as_deref().map(Vec::as_slice),
-            HEAD_CHILDREN,
-        );
+        let mut parent = None;
+        for level in 1..=self.levels {
+            let logits = host(draft.draft.logits)?;
+            let ids = draft.draft.token_ids.as_deref().map(Vec::as_slice);
+            let first = self.suggested.len();
+            self.suggested
+                .extend(most_probable(&logits, ids, HEAD_CHILDREN).into_iter().map(
+                    |(token, probability)| Suggestion {
+                        token,
+                        probability,
+                        parent,
+                    },
+                ));
+            // One level deeper below the best child: the head's own state stands in for the
+            // model's at the child's parent.
+            // (Its row takes the next position, which must be inside the context.)
+            let room = self.head.cached_len(&self.cache) < self.model.context_length();
+            let Some(best) = self
+                .suggested
+                .get(first)
+                .filter(|_| level < self.levels && room)
+            else {
+                break;
+            };
+            let token = best.token;
+            parent = Some(first);
+            draft = self
+                .head
+                .lookahead(self.model, draft.state, &[token], &mut self.cache)
+                .map_err(CoreError::model)?;
+        }
+        // Only committed positions stay in the head's cache.
+        self.head.truncate(&mut self.cache, self.root);
         Ok(())
     }
 }

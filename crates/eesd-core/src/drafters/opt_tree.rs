@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use super::ngram_store::{self, NgramStore};
 use super::{ContextLookup, DrafterState, Likely, RoundCost, TokenRecycling, TreeShape};
-use crate::drafter::Drafter;
+use crate::drafter::{Drafter, Suggestion};
 use crate::error::{CoreError, Result};
 use crate::tree::DraftTree;
 
@@ -46,6 +46,8 @@ const HEAD_PRIOR: [f64; 5] = [0.05, 0.2, 0.4, 0.65, 0.9];
 const HEAD_AGREES_PRIOR: [f64; 5] = [0.3, 0.45, 0.6, 0.75, 0.9];
 /// Head ranks rated separately; deeper ranks share the last rate.
 const HEAD_RANKS: usize = 4;
+/// Kinds of head edge: ranks and agreement, by probability bin, below the root and deeper.
+const HEAD_EDGES: usize = 2 * (HEAD_RANKS + 1) * (HEAD_BINS.len() + 1);
 /// Upper bounds of the share bins of retrieved continuations (the last bin is open), and the
 /// prior rates of the bins.
 const SHARE_BINS: [f32; 3] = [0.25, 0.5, 0.8];
@@ -66,10 +68,12 @@ enum Edge {
     Lookup { n: usize, step: usize },
     /// A lookup token that is also the recycled candidate of `rank`.
     Both { n: usize, rank: usize },
-    /// A lookahead head's child of the root of `rank`, with its probability in bin `bin`.
-    Head { rank: usize, bin: usize },
+    /// A lookahead head's child of `rank` among its siblings, with its probability in bin
+    /// `bin`; `deep` below a node the head drafted itself (its own state fed back), rather
+    /// than below the root.
+    Head { deep: bool, rank: usize, bin: usize },
     /// A head's child (probability bin `bin`) that recycling or lookup also proposes.
-    HeadAgrees { bin: usize },
+    HeadAgrees { deep: bool, bin: usize },
     /// A continuation of the n-gram store after a context of `n` tokens, of `rank` among them,
     /// with its share of the context's occurrences in bin `bin`.
     Retrieved { n: usize, rank: usize, bin: usize },
@@ -79,7 +83,7 @@ impl Edge {
     const COUNT: usize = RANKS * (GAP_BINS.len() + 1)
         + LOOKUP_NS * LOOKUP_STEPS
         + LOOKUP_NS * BOTH_RANKS
-        + (HEAD_RANKS + 1) * (HEAD_BINS.len() + 1)
+        + HEAD_EDGES
         + STORE_ORDERS * ngram_store::TOP * (SHARE_BINS.len() + 1);
 
     /// The bin of a head probability.
@@ -111,7 +115,7 @@ impl Edge {
         let recycled = RANKS * (GAP_BINS.len() + 1);
         let lookup = recycled + LOOKUP_NS * LOOKUP_STEPS;
         let head = lookup + LOOKUP_NS * BOTH_RANKS;
-        let store = head + (HEAD_RANKS + 1) * (HEAD_BINS.len() + 1);
+        let store = head + HEAD_EDGES;
         let n_index = |n: usize| n.clamp(1, LOOKUP_NS) - 1;
         match self {
             Edge::Recycled { rank, gap } => rank.min(RANKS - 1) * (GAP_BINS.len() + 1) + gap,
@@ -119,10 +123,14 @@ impl Edge {
                 recycled + n_index(n) * LOOKUP_STEPS + step.min(LOOKUP_STEPS - 1)
             }
             Edge::Both { n, rank } => lookup + n_index(n) * BOTH_RANKS + rank.min(BOTH_RANKS - 1),
-            Edge::Head { rank, bin } => {
-                head + rank.min(HEAD_RANKS - 1) * (HEAD_BINS.len() + 1) + bin
+            Edge::Head { deep, rank, bin } => {
+                head + usize::from(deep) * HEAD_EDGES / 2
+                    + rank.min(HEAD_RANKS - 1) * (HEAD_BINS.len() + 1)
+                    + bin
             }
-            Edge::HeadAgrees { bin } => head + HEAD_RANKS * (HEAD_BINS.len() + 1) + bin,
+            Edge::HeadAgrees { deep, bin } => {
+                head + usize::from(deep) * HEAD_EDGES / 2 + HEAD_RANKS * (HEAD_BINS.len() + 1) + bin
+            }
             Edge::Retrieved { n, rank, bin } => {
                 let order = n.clamp(*ngram_store::ORDERS.start(), *ngram_store::ORDERS.end())
                     - ngram_store::ORDERS.start();
@@ -141,7 +149,7 @@ impl Edge {
             Edge::Lookup { .. } => 0.4,
             Edge::Both { .. } => 0.6,
             Edge::Head { bin, .. } => HEAD_PRIOR[bin],
-            Edge::HeadAgrees { bin } => HEAD_AGREES_PRIOR[bin],
+            Edge::HeadAgrees { bin, .. } => HEAD_AGREES_PRIOR[bin],
             Edge::Retrieved { bin, .. } => SHARE_PRIOR[bin],
         }
     }
@@ -174,9 +182,9 @@ impl EdgeRates {
     }
 }
 
-/// A candidate child: its token, its kind of edge, and its step along the lookup
-/// continuation when lookup proposed it.
-type Offer = (u32, Edge, Option<usize>);
+/// A candidate child: its token, its kind of edge, its step along the lookup continuation
+/// when lookup proposed it, and its index among the suggestions when a head proposed it.
+type Offer = (u32, Edge, Option<usize>, Option<usize>);
 
 /// What the last proposal offered after each of its rows (0: the root, `i + 1`: node `i`).
 #[derive(Debug, Clone)]
@@ -198,8 +206,8 @@ pub struct OptTree {
     last: Option<Proposal>,
     /// Round times by rows, when trees are sized by them ([`OptTree::timed`]).
     cost: Option<RoundCost>,
-    /// A lookahead head's children of the next root ([`Drafter::suggest`]).
-    suggested: Vec<(u32, f64)>,
+    /// A lookahead head's nodes below the next root ([`Drafter::suggest`]).
+    suggested: Vec<Suggestion>,
     /// Continuations of the model's usual phrases ([`OptTree::with_store`]).
     store: Option<Arc<NgramStore>>,
 }
@@ -255,12 +263,12 @@ impl OptTree {
             .recycling
             .scored(token)
             .enumerate()
-            .map(|(rank, (c, gap))| (c, Edge::recycled(rank, gap), None))
+            .map(|(rank, (c, gap))| (c, Edge::recycled(rank, gap), None, None))
             .collect();
         if let Some((t, n, step)) = lookup {
             match offers.iter_mut().enumerate().find(|(_, o)| o.0 == t) {
-                Some((rank, offer)) => *offer = (t, Edge::Both { n, rank }, Some(step)),
-                None => offers.push((t, Edge::Lookup { n, step }, Some(step))),
+                Some((rank, offer)) => *offer = (t, Edge::Both { n, rank }, Some(step), None),
+                None => offers.push((t, Edge::Lookup { n, step }, Some(step), None)),
             }
         }
         // Only what no other source offers: a store candidate that recycling or lookup also
@@ -269,11 +277,32 @@ impl OptTree {
         if let Some((n, found)) = self.store.as_ref().and_then(|s| s.continuations(tail)) {
             for (rank, c) in found.iter().enumerate() {
                 if !offers.iter().any(|o| o.0 == c.token) {
-                    offers.push((c.token, Edge::retrieved(n, rank, c.share), None));
+                    offers.push((c.token, Edge::retrieved(n, rank, c.share), None, None));
                 }
             }
         }
         offers
+    }
+}
+
+/// Adds to `offers` (a node's candidates) the suggestions whose parent is `parent` (`None`:
+/// the root's children): a token another source offers too becomes a head-agrees edge, the
+/// others head edges of their rank among the suggested siblings.
+fn add_suggestions(offers: &mut Vec<Offer>, suggestions: &[Suggestion], parent: Option<usize>) {
+    let deep = parent.is_some();
+    let children = suggestions
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.parent == parent);
+    for (rank, (index, s)) in children.enumerate() {
+        let bin = Edge::head_bin(s.probability);
+        match offers.iter_mut().find(|o| o.0 == s.token) {
+            Some(offer) => {
+                offer.1 = Edge::HeadAgrees { deep, bin };
+                offer.3 = Some(index);
+            }
+            None => offers.push((s.token, Edge::Head { deep, rank, bin }, None, Some(index))),
+        }
     }
 }
 
@@ -300,15 +329,9 @@ impl Drafter for OptTree {
         // The last tokens of each row's path (0: the root, `i + 1`: node `i`), for the store.
         let keep = *ngram_store::ORDERS.end();
         let mut tails: Vec<Vec<u32>> = vec![context[context.len().saturating_sub(keep)..].to_vec()];
+        let suggested = std::mem::take(&mut self.suggested);
         let mut root_offers = self.offers(root, lookup_at(0), &tails[0]);
-        for (rank, &(token, probability)) in std::mem::take(&mut self.suggested).iter().enumerate()
-        {
-            let bin = Edge::head_bin(probability);
-            match root_offers.iter_mut().find(|o| o.0 == token) {
-                Some(offer) => offer.1 = Edge::HeadAgrees { bin },
-                None => root_offers.push((token, Edge::Head { rank, bin }, None)),
-            }
-        }
+        add_suggestions(&mut root_offers, &suggested, None);
         let mut offered = vec![root_offers];
         let mut heap: BinaryHeap<Candidate> = offered[0]
             .iter()
@@ -323,7 +346,7 @@ impl Drafter for OptTree {
             let Some(Likely { probability, item }) = heap.pop() else {
                 break;
             };
-            let (parent, (token, _, step)) = item;
+            let (parent, (token, _, step, suggestion)) = item;
             if tree.child(parent, token).is_some() {
                 continue;
             }
@@ -332,7 +355,10 @@ impl Drafter for OptTree {
             let mut tail = tails[parent.map_or(0, |p| p + 1)].clone();
             tail.push(token);
             tail.drain(..tail.len().saturating_sub(keep));
-            let offers = self.offers(token, step.and_then(|s| lookup_at(s + 1)), &tail);
+            let mut offers = self.offers(token, step.and_then(|s| lookup_at(s + 1)), &tail);
+            if suggestion.is_some() {
+                add_suggestions(&mut offers, &suggested, suggestion);
+            }
             tails.push(tail);
             heap.extend(offers.iter().map(|&offer| Candidate {
                 probability: probability * self.rates.rate(offer.1),
@@ -366,8 +392,8 @@ impl Drafter for OptTree {
         self.recycling.observe(token, candidates, logits);
     }
 
-    fn suggest(&mut self, children: &[(u32, f64)]) -> bool {
-        self.suggested = children.to_vec();
+    fn suggest(&mut self, suggestions: &[Suggestion]) -> bool {
+        self.suggested = suggestions.to_vec();
         true
     }
 
@@ -442,7 +468,7 @@ impl Drafter for OptTree {
             let (Some(mine), Some(&choice), true) = (mine, best.get(row), reached[row]) else {
                 continue;
             };
-            for &(token, edge, _) in &last.offered[*mine] {
+            for &(token, edge, _, _) in &last.offered[*mine] {
                 self.rates.record(edge, token == choice);
             }
         }
@@ -469,11 +495,13 @@ mod tests {
                 seen[Edge::Both { n, rank }.index()] = true;
             }
         }
-        for bin in 0..=HEAD_BINS.len() {
-            for rank in 0..HEAD_RANKS {
-                seen[Edge::Head { rank, bin }.index()] = true;
+        for deep in [false, true] {
+            for bin in 0..=HEAD_BINS.len() {
+                for rank in 0..HEAD_RANKS {
+                    seen[Edge::Head { deep, rank, bin }.index()] = true;
+                }
+                seen[Edge::HeadAgrees { deep, bin }.index()] = true;
             }
-            seen[Edge::HeadAgrees { bin }.index()] = true;
         }
         for n in ngram_store::ORDERS {
             for rank in 0..ngram_store::TOP {
@@ -594,7 +622,13 @@ mod tests {
     fn suggested_children_join_the_tree_and_are_rated() {
         let mut d = OptTree::new(32, 4, 8);
         d.observe(1, &[2], &[1.0]);
-        assert!(d.suggest(&[(7, 0.9), (2, 0.05)]));
+        let head = |children: &[(u32, f64)]| -> Vec<Suggestion> {
+            children
+                .iter()
+                .map(|&(t, p)| Suggestion::child(t, p))
+                .collect()
+        };
+        assert!(d.suggest(&head(&[(7, 0.9), (2, 0.05)])));
         let tree = d.propose(&[9, 1], 2);
         let firsts: Vec<u32> = (0..tree.len())
             .filter(|&i| tree.parents()[i].is_none())
@@ -604,14 +638,59 @@ mod tests {
         // Suggestions last one round.
         assert!(!d.propose(&[9, 1], 4).tokens().contains(&7));
         // The head's confident child is always wrong: its rate falls below recycling's.
-        let before = d.rates.rate(Edge::Head { rank: 0, bin: 4 });
+        let confident = Edge::Head {
+            deep: false,
+            rank: 0,
+            bin: 4,
+        };
+        let before = d.rates.rate(confident);
         for _ in 0..100 {
-            d.suggest(&[(7, 0.9)]);
+            d.suggest(&head(&[(7, 0.9)]));
             let tree = d.propose(&[9, 1], 2);
             d.verified(&tree, &[2, 3, 3]);
         }
-        assert!(d.rates.rate(Edge::Head { rank: 0, bin: 4 }) < 0.2 && before > 0.8);
-        d.suggest(&[(7, 0.9)]);
+        assert!(d.rates.rate(confident) < 0.2 && before > 0.8);
+        d.suggest(&head(&[(7, 0.9)]));
         assert_eq!(d.propose(&[9, 1], 1).tokens(), &[2]);
+    }
+
+    /// A head's nodes below its own children follow them into the tree, and their rates are
+    /// learnt apart from the root's children.
+    #[test]
+    fn deeper_suggestions_follow_their_parents() {
+        let mut d = OptTree::new(32, 4, 8);
+        let path = [
+            Suggestion::child(7, 0.9),
+            Suggestion {
+                token: 8,
+                probability: 0.9,
+                parent: Some(0),
+            },
+            Suggestion {
+                token: 9,
+                probability: 0.9,
+                parent: Some(1),
+            },
+        ];
+        assert!(d.suggest(&path));
+        let tree = d.propose(&[5, 1], 3);
+        assert_eq!(tree.tokens(), &[7, 8, 9]);
+        assert_eq!(tree.parents(), &[None, Some(0), Some(1)]);
+        // Verification confirms 7 and rejects 8 each time: the deeper edge's rate falls, the
+        // root child's rises, and a one-node budget still takes the child.
+        let deep = Edge::Head {
+            deep: true,
+            rank: 0,
+            bin: 4,
+        };
+        let before = d.rates.rate(deep);
+        for _ in 0..100 {
+            d.suggest(&path);
+            let tree = d.propose(&[5, 1], 3);
+            d.verified(&tree, &[7, 3, 3, 3]);
+        }
+        assert!(d.rates.rate(deep) < 0.2 && before > 0.8);
+        d.suggest(&path);
+        assert_eq!(d.propose(&[5, 1], 1).tokens(), &[7]);
     }
 }
