@@ -8,7 +8,10 @@
 //!     --per-category 5 [--json] [--svg agreement.svg]
 //! ```
 //! HEAD is `shipped` (the head in `assets/heads`), a checkpoint prefix, or `norm@LAYER` (the
-//! parameter-free logit lens). All heads share one teacher pass per answer
+//! parameter-free logit lens). `--lookahead shipped[,PREFIX...] [--levels 3]` also scores tree
+//! (lookahead) heads level by level: level 1 drafts the root's children, each deeper level
+//! drafts from the head's own state of the level before (`opt@B+HEAD:LEVELS`), and the path
+//! column is the tokens per round of drafting the head's best path alone. All heads share one teacher pass per answer
 //! (`eesd::core::head_eval`), and the replay is exact: a test checks it against the generator's
 //! own accepted counts. `--svg` plots each trained head's held-out agreement against training
 //! tokens seen, from the history in its checkpoint.
@@ -28,9 +31,11 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use eesd::core::head_eval::{Agreement, teacher_forced_ranks};
+use eesd::core::head_eval::{Agreement, Ranks, lookahead_ranks, teacher_forced_ranks};
 use eesd::core::{GenerationConfig, Generator};
-use eesd::models::{AnyHead, HeadMetadata, LoadedModel, NormHead, load_layer_head};
+use eesd::models::{
+    AnyHead, HeadMetadata, LayerHead, LoadedModel, NormHead, load_layer_head, load_lookahead_head,
+};
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Parser, Debug)]
@@ -38,6 +43,12 @@ struct Args {
     /// Heads, comma-separated: `shipped`, a checkpoint prefix, or `norm@LAYER`.
     #[arg(long, value_delimiter = ',', default_value = "shipped")]
     heads: Vec<String>,
+    /// Lookahead (tree) heads, comma-separated: `shipped` or a checkpoint prefix.
+    #[arg(long, value_delimiter = ',')]
+    lookahead: Vec<String>,
+    /// Levels a lookahead head drafts, each from its own state of the level before.
+    #[arg(long, default_value_t = 3)]
+    levels: usize,
     /// Spec-Bench questions (jsonl with question_id, category, turns).
     #[arg(long, default_value = "../shared/data/spec_bench.jsonl")]
     questions: PathBuf,
@@ -88,6 +99,58 @@ fn parse_head(spec: &str, lm: &LoadedModel, sha: &str) -> Result<Candidate> {
         exit_layer: meta.exit_layer,
         meta: Some(meta),
     })
+}
+
+/// A lookahead head's ranks over many sequences: per level, and its best path's acceptance.
+#[derive(Clone, Default)]
+struct PathAgreement {
+    levels: Vec<Agreement>,
+    /// Rounds (scored positions) and tokens of drafting the head's best path from each.
+    rounds: usize,
+    tokens: usize,
+}
+
+impl PathAgreement {
+    /// Adds one sequence's ranks per level ([`lookahead_ranks`]).
+    fn push(&mut self, ranks: Vec<Ranks>) {
+        self.levels.resize(ranks.len(), Agreement::default());
+        for k in 0..ranks.first().map_or(0, Vec::len) {
+            let hits = ranks
+                .iter()
+                .take_while(|level| level.get(k) == Some(&Some(0)))
+                .count();
+            self.rounds += 1;
+            self.tokens += 1 + hits;
+        }
+        for (level, r) in self.levels.iter_mut().zip(ranks) {
+            level.push(r);
+        }
+    }
+
+    fn extend(&mut self, other: &PathAgreement) {
+        self.levels.resize(other.levels.len(), Agreement::default());
+        for (level, o) in self.levels.iter_mut().zip(&other.levels) {
+            level.extend(o);
+        }
+        self.rounds += other.rounds;
+        self.tokens += other.tokens;
+    }
+
+    fn path_tokens_per_round(&self) -> f64 {
+        self.tokens as f64 / self.rounds.max(1) as f64
+    }
+
+    fn summary(&self) -> serde_json::Value {
+        let levels: Vec<serde_json::Value> = self
+            .levels
+            .iter()
+            .map(|a| serde_json::json!({"positions": a.positions(), "top1": a.top_k(1), "top4": a.top_k(4)}))
+            .collect();
+        serde_json::json!({
+            "positions": self.rounds, "levels": levels,
+            "path_tokens_per_round": self.path_tokens_per_round(),
+        })
+    }
 }
 
 /// Chain lengths and tree shapes (width, depth) reported.
@@ -143,8 +206,8 @@ fn history(meta: &HeadMetadata) -> Vec<(f64, f64)> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    if args.heads.is_empty() {
-        bail!("--heads names no head");
+    if args.heads.is_empty() && args.lookahead.is_empty() {
+        bail!("--heads and --lookahead name no head");
     }
     let questions = questions::load(&args.questions, args.per_category, &args.categories)?;
     let (lm, path, sha) = args.model.load()?;
@@ -155,6 +218,16 @@ fn main() -> Result<()> {
         .collect::<Result<_>>()?;
     let heads: Vec<(&AnyHead, usize)> =
         candidates.iter().map(|c| (&c.head, c.exit_layer)).collect();
+    let trees: Vec<LayerHead> = args
+        .lookahead
+        .iter()
+        .map(|h| {
+            load_lookahead_head(heads::lookahead(h), &lm.model, Some(&sha))
+                .map(|(head, _)| head)
+                .with_context(|| format!("lookahead head `{h}`"))
+        })
+        .collect::<Result<_>>()?;
+    let mut paths: Vec<BTreeMap<String, PathAgreement>> = vec![BTreeMap::new(); trees.len()];
     let eos: Vec<u32> = lm.tokenizer.eos_token_id().into_iter().collect();
     let config = GenerationConfig {
         max_new_tokens: args.max_new_tokens,
@@ -181,9 +254,13 @@ fn main() -> Result<()> {
         let tokens = [prompt, answer.tokens].concat();
         // The positions that predict the answer's tokens.
         let score = p - 1..tokens.len() - 1;
-        let ranks = teacher_forced_ranks(&lm.model, &heads, &tokens, score)?;
+        let ranks = teacher_forced_ranks(&lm.model, &heads, &tokens, score.clone())?;
         for (per_head, r) in agreement.iter_mut().zip(ranks) {
             per_head.entry(q.category.clone()).or_default().push(r);
+        }
+        for (per_head, head) in paths.iter_mut().zip(&trees) {
+            let ranks = lookahead_ranks(&lm.model, head, &tokens, score.clone(), args.levels)?;
+            per_head.entry(q.category.clone()).or_default().push(ranks);
         }
         bar.inc(1);
     }
@@ -193,6 +270,23 @@ fn main() -> Result<()> {
         per_head.values().for_each(|a| overall.extend(a));
         per_head.insert("overall".into(), overall);
     }
+    for per_head in &mut paths {
+        let mut overall = PathAgreement::default();
+        per_head.values().for_each(|a| overall.extend(a));
+        per_head.insert("overall".into(), overall);
+    }
+    let tree_results: Vec<serde_json::Value> = args
+        .lookahead
+        .iter()
+        .zip(&paths)
+        .map(|(name, per_cat)| {
+            let categories: serde_json::Map<String, serde_json::Value> = per_cat
+                .iter()
+                .map(|(k, a)| (k.clone(), a.summary()))
+                .collect();
+            serde_json::json!({"head": name, "levels": args.levels, "categories": categories})
+        })
+        .collect();
 
     let results: Vec<serde_json::Value> = candidates
         .iter()
@@ -232,6 +326,7 @@ fn main() -> Result<()> {
     let report = serde_json::json!({
         "model": path.display().to_string(), "dtype": format!("{:?}", args.model.dtype),
         "questions": questions.len(), "max_new_tokens": args.max_new_tokens, "heads": results,
+        "lookahead_heads": tree_results,
     });
     if args.json {
         println!("{report}");
@@ -269,5 +364,32 @@ fn main() -> Result<()> {
         }
     }
     println!("\n(chain k / tree w^d: tokens per verification round, drafts accepted + 1)");
+    for (name, per_cat) in args.lookahead.iter().zip(&paths) {
+        println!("\n## lookahead head {name}, {} levels\n", args.levels);
+        let levels: String = (1..=args.levels)
+            .map(|l| format!(" level {l} top-1 / top-4 |"))
+            .collect();
+        println!("| category | positions |{levels} path |");
+        println!("|---|---|{}---|", "---|".repeat(args.levels));
+        let rows = per_cat.iter().filter(|(c, _)| *c != "overall");
+        for (cat, a) in rows.chain(per_cat.get_key_value("overall")) {
+            let levels: String = a
+                .levels
+                .iter()
+                .map(|l| format!(" {:.1}% / {:.1}% |", 100.0 * l.top_k(1), 100.0 * l.top_k(4)))
+                .collect();
+            println!(
+                "| {cat} | {} |{levels} {:.2} |",
+                a.rounds,
+                a.path_tokens_per_round()
+            );
+        }
+    }
+    if !paths.is_empty() {
+        println!(
+            "\n(level l: the head's rank of the model's token l after the root, given the true \
+             tokens before it; path: tokens per round drafting the head's best path alone)"
+        );
+    }
     Ok(())
 }

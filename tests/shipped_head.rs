@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use burn::tensor::{Int, Tensor, TensorData};
 use eesd::bandit::Policy;
 use eesd::core::DraftHead;
+use eesd::core::head_eval::lookahead_ranks;
 use eesd::core::{Backend, GenerationConfig, Generator, Mode};
 use eesd::models::testing::values;
 use eesd::models::{AttentionContext, HeadKind, LayerHeadWeights, LoadOptions, LoadedModel, fetch};
@@ -237,5 +238,84 @@ fn shipped_lookahead_head_is_lossless_and_lands_drafts() {
         "rounds with the head {} vs without {}",
         rounds[1],
         rounds[0]
+    );
+}
+
+/// A drafter that proposes nothing, so that a [`HeadDrafter`] around it drafts the head's own
+/// path alone.
+struct Nothing;
+
+impl eesd::core::Drafter for Nothing {
+    fn name(&self) -> String {
+        "nothing".into()
+    }
+
+    fn propose(&mut self, _: &[u32], _: usize) -> eesd::core::DraftTree {
+        eesd::core::DraftTree::new()
+    }
+}
+
+/// Teacher-forced lookahead ranks predict real decoding exactly: with the shipped lookahead
+/// head drafting three levels along its best child (its own state fed back) and nothing else,
+/// greedy tree decoding accepts, round by round, the leading levels whose rank is 0.
+#[test]
+fn lookahead_ranks_replay_the_heads_own_path() {
+    let (lm, _, meta) = model_and_head();
+    let (head, _) = load_lookahead_head(
+        Path::new(eesd::SHIPPED_LOOKAHEAD_HEAD),
+        &lm.model,
+        Some(&meta.base_model_sha256),
+    )
+    .unwrap();
+    let (levels, max_new) = (3, 40);
+    let base = GenerationConfig {
+        max_new_tokens: max_new,
+        ..Default::default()
+    };
+    let tree = GenerationConfig {
+        mode: Mode::Tree,
+        tree_budget: levels,
+        ..base.clone()
+    };
+    let mut ar = Generator::new(&lm.model);
+    let drafter = eesd::core::drafters::HeadDrafter::new(&lm.model, &head, Nothing);
+    let mut drafted = Generator::new(&lm.model).with_drafter(drafter.with_levels(levels));
+    let (mut accepted, mut deep) = (0, 0);
+    for q in questions(3) {
+        let prompt = lm.chat_prompt(&q.turns[0]).unwrap();
+        let want = ar
+            .generate(&prompt, &base, |_| ControlFlow::Continue(()))
+            .unwrap();
+        let got = drafted
+            .generate(&prompt, &tree, |_| ControlFlow::Continue(()))
+            .unwrap();
+        assert_eq!(got.tokens, want.tokens, "{}", q.category);
+        let p = prompt.len();
+        let tokens = [prompt, want.tokens].concat();
+        let ranks =
+            lookahead_ranks(&lm.model, &head, &tokens, p - 1..tokens.len() - 1, levels).unwrap();
+        assert_eq!(ranks[0].len(), tokens.len() - p);
+        // Replay: from each round's root, the leading levels ranked 0 are accepted.
+        let (mut at, mut emitted, mut histogram) = (0, 0, Vec::new());
+        while emitted < max_new {
+            let cap = levels.min(max_new - emitted - 1);
+            let a = (0..cap)
+                .take_while(|&l| ranks[l].get(at) == Some(&Some(0)))
+                .count();
+            if histogram.len() <= a {
+                histogram.resize(a + 1, 0);
+            }
+            histogram[a] += 1;
+            accepted += a;
+            deep += usize::from(a >= 2);
+            emitted += a + 1;
+            at += a + 1;
+        }
+        assert_eq!(histogram, got.stats.accepted_histogram, "{}", q.category);
+    }
+    // The head's path lands, below its first level too.
+    assert!(
+        accepted > 0 && deep > 0,
+        "{accepted} accepted, {deep} rounds past level 1"
     );
 }

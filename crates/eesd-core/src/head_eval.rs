@@ -6,7 +6,9 @@
 //! leaves the drafter exactly on the true prefix (blocks equal their rows bit for bit), so the
 //! ranks decide how far a greedy chain, or a tree holding the head's top-`w` tokens at every
 //! node, drafted from any position would be accepted: no generation needs to run per head.
-//! One teacher pass serves several heads at different exit layers.
+//! One teacher pass serves several heads at different exit layers. Lookahead heads, which
+//! draft from the last layer's state of the position before, are scored level by level
+//! ([`lookahead_ranks`]).
 
 use std::ops::Range;
 
@@ -15,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{CoreError, Result};
 use crate::generator::host;
-use crate::model::{DraftHead, LayeredModel};
+use crate::model::{DraftHead, LayeredModel, LookaheadHead};
 
 /// Per position, the rank of the full model's argmax among a head's draft logits (0 = the
 /// head's own argmax); `None` when the token is outside the head's draft vocabulary.
@@ -82,20 +84,7 @@ pub fn teacher_forced_ranks<M: LayeredModel, H: DraftHead<M>>(
         .into_iter()
         .flatten()
         .map(|(logits, n, ids)| {
-            // Column of each vocabulary token in the head's logits.
-            let mut column: Vec<Option<usize>> = vec![None; vocab];
-            match &ids {
-                Some(ids) => ids.iter().enumerate().for_each(|(c, &t)| {
-                    if let Some(slot) = column.get_mut(t as usize) {
-                        *slot = Some(c);
-                    }
-                }),
-                None => column
-                    .iter_mut()
-                    .take(n)
-                    .enumerate()
-                    .for_each(|(c, s)| *s = Some(c)),
-            }
+            let column = columns(ids.as_deref().map(Vec::as_slice), vocab, n);
             logits
                 .chunks(n)
                 .zip(&greedy)
@@ -103,6 +92,122 @@ pub fn teacher_forced_ranks<M: LayeredModel, H: DraftHead<M>>(
                 .collect()
         })
         .collect())
+}
+
+/// The column of each vocabulary token in a head's `n` logits: its position in `ids` when the
+/// head projects onto a subset, else the token itself.
+fn columns(ids: Option<&[u32]>, vocab: usize, n: usize) -> Vec<Option<usize>> {
+    let mut column: Vec<Option<usize>> = vec![None; vocab];
+    match ids {
+        Some(ids) => ids.iter().enumerate().for_each(|(c, &t)| {
+            if let Some(slot) = column.get_mut(t as usize) {
+                *slot = Some(c);
+            }
+        }),
+        None => column
+            .iter_mut()
+            .take(n)
+            .enumerate()
+            .for_each(|(c, s)| *s = Some(c)),
+    }
+    column
+}
+
+/// Ranks of the full model's greedy tokens under a lookahead head drafting `levels` levels,
+/// teacher-forced: for each position `i` of `score` (the root `tokens[i]`, `i ≥ 1`), level 1
+/// is the head's draft of the token after the root from the layer-N state of `i − 1` and
+/// `tokens[i]`, and level `l > 1` its draft of the token after `tokens[i + l − 1]` from its own
+/// state of the level before and that true token ([`crate::drafters::HeadDrafter::with_levels`]
+/// drafts so along its best child; here the path is the true one, so each level's rank is
+/// conditional on the levels above it being right). Returns one [`Ranks`] per level over the
+/// positions of `score` whose level stays inside `tokens`.
+pub fn lookahead_ranks<M: LayeredModel, H: LookaheadHead<M>>(
+    model: &M,
+    head: &H,
+    tokens: &[u32],
+    score: Range<usize>,
+    levels: usize,
+) -> Result<Vec<Ranks>> {
+    let (layers, n) = (model.num_layers(), head.feature_layer());
+    if score.start == 0 || score.start > score.end || score.end > tokens.len() {
+        return Err(CoreError::InvalidConfig(format!(
+            "scored positions {score:?} of a sequence of {} tokens (a lookahead head drafts \
+             from position 1 on)",
+            tokens.len()
+        )));
+    }
+    if n == 0 || n > layers {
+        return Err(CoreError::InvalidConfig(format!(
+            "feature layer {n} of a model of {layers} layers"
+        )));
+    }
+    if tokens.len() > model.context_length() {
+        return Err(CoreError::PromptTooLong {
+            prompt: tokens.len(),
+            context: model.context_length(),
+        });
+    }
+    let mut ranks = vec![Ranks::new(); levels];
+    if score.is_empty() || levels == 0 {
+        return Ok(ranks);
+    }
+    let mut cache = model.new_cache();
+    let states = model
+        .forward_layers(
+            model.embed(tokens).map_err(CoreError::model)?,
+            0..n,
+            &mut cache,
+        )
+        .map_err(CoreError::model)?;
+    let top = match n < layers {
+        true => model
+            .forward_layers(states.clone(), n..layers, &mut cache)
+            .map_err(CoreError::model)?,
+        false => states.clone(),
+    };
+    let (full, vocab) = rows_of(model.logits(top), &(0..tokens.len()))?;
+    let greedy: Vec<usize> = full.chunks(vocab).map(crate::argmax).collect();
+    let mut head_cache = head.new_cache(model);
+    let lookahead = |hidden, next: &[u32], cache: &mut H::Cache| {
+        head.lookahead(model, hidden, next, cache)
+            .map_err(CoreError::model)
+    };
+    // Rows 0..start − 1 (state j and token j + 1) as one block; then one row per position.
+    let first = score.start - 1;
+    if first > 0 {
+        lookahead(
+            states.clone().narrow(0, 0, first),
+            &tokens[1..=first],
+            &mut head_cache,
+        )?;
+    }
+    for i in score {
+        let mut draft = lookahead(
+            states.clone().narrow(0, i - 1, 1),
+            &tokens[i..=i],
+            &mut head_cache,
+        )?;
+        for (level, ranks) in ranks.iter_mut().enumerate() {
+            // Level `level + 1` drafts the model's token after `tokens[i + level]`.
+            let Some(&target) = greedy.get(i + level).filter(|_| i + level < tokens.len()) else {
+                break;
+            };
+            let [_, width] = draft.draft.logits.dims();
+            let row = host(draft.draft.logits.clone())?;
+            let column = columns(
+                draft.draft.token_ids.as_deref().map(Vec::as_slice),
+                vocab,
+                width,
+            );
+            ranks.push(column[target].map(|c| rank_of(&row, c)));
+            if level + 1 < levels && i + level + 1 < tokens.len() {
+                let next = &tokens[i + level + 1..=i + level + 1];
+                draft = lookahead(draft.state, next, &mut head_cache)?;
+            }
+        }
+        head.truncate(&mut head_cache, i);
+    }
+    Ok(ranks)
 }
 
 /// The rows `score` of `[t, n]` logits on the host, and the row width.
