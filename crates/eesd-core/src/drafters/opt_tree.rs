@@ -676,8 +676,8 @@ mod tests {
         let tree = d.propose(&[5, 1], 3);
         assert_eq!(tree.tokens(), &[7, 8, 9]);
         assert_eq!(tree.parents(), &[None, Some(0), Some(1)]);
-        // Verification confirms 7 and rejects 8 each time: the deeper edge's rate falls, the
-        // root child's rises, and a one-node budget still takes the child.
+        // Verification confirms 7 and rejects 8 each time: the deeper edge's rate falls apart
+        // from the root child's, which a one-node budget still takes.
         let deep = Edge::Head {
             deep: true,
             rank: 0,
