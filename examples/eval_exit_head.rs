@@ -95,7 +95,7 @@ fn parse_head(spec: &str, lm: &LoadedModel, sha: &str) -> Result<Candidate> {
         .with_context(|| format!("head `{spec}`"))?;
     Ok(Candidate {
         name: spec.into(),
-        head: AnyHead::Layer(Box::new(head)),
+        head: AnyHead::Layer(Box::new(head.with_q8_0_drafts()?)),
         exit_layer: meta.exit_layer,
         meta: Some(meta),
     })
@@ -222,9 +222,9 @@ fn main() -> Result<()> {
         .lookahead
         .iter()
         .map(|h| {
-            load_lookahead_head(heads::lookahead(h), &lm.model, Some(&sha))
-                .map(|(head, _)| head)
-                .with_context(|| format!("lookahead head `{h}`"))
+            let (head, _) = load_lookahead_head(heads::lookahead(h), &lm.model, Some(&sha))
+                .with_context(|| format!("lookahead head `{h}`"))?;
+            Ok(head.with_q8_0_drafts()?)
         })
         .collect::<Result<_>>()?;
     let mut paths: Vec<BTreeMap<String, PathAgreement>> = vec![BTreeMap::new(); trees.len()];

@@ -159,7 +159,10 @@ fn main() -> Result<()> {
                 prefix.display()
             )
         })?;
-        (AnyHead::Layer(Box::new(head)), args.exit_layer)
+        (
+            AnyHead::Layer(Box::new(head.with_q8_0_drafts()?)),
+            args.exit_layer,
+        )
     };
     let policy = Policy::parse(&args.policy, args.seed)?;
 
@@ -191,7 +194,8 @@ fn main() -> Result<()> {
                         prefix.display()
                     )
                 })?
-                .0,
+                .0
+                .with_q8_0_drafts()?,
         ),
         None => None,
     };

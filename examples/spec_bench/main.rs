@@ -48,6 +48,10 @@ use oracle::{BenchHead, Oracle};
 
 #[derive(Parser, Debug)]
 struct Args {
+    /// Heads draft from their dense f32 weights on a dense model, instead of from Q8_0 copies
+    /// (`LayerHead::with_q8_0_drafts`, the default; native models' heads always use Q8_0).
+    #[arg(long)]
+    dense_heads: bool,
     /// Spec-Bench questions (jsonl with question_id, category, turns).
     #[arg(long, default_value = "../shared/data/spec_bench.jsonl")]
     questions: PathBuf,
@@ -128,7 +132,17 @@ enum Runner<'a> {
 /// `HEAD[@LAYER]/POLICY`: HEAD is `norm` (needs `@LAYER`), `shipped` (the head in
 /// `assets/heads`), a checkpoint prefix or `oracle:A[+HEAD]`; a trained head's layer defaults to
 /// its own.
-fn parse_method(name: &str, seed: u64, lm: &LoadedModel, model_sha: &str) -> Result<Method> {
+fn parse_method(
+    name: &str,
+    seed: u64,
+    lm: &LoadedModel,
+    model_sha: &str,
+    dense_heads: bool,
+) -> Result<Method> {
+    let drafts = |head: LayerHead| match dense_heads {
+        true => Ok(head),
+        false => head.with_q8_0_drafts(),
+    };
     let (spec, ngrams) = match name.strip_suffix("+ngrams") {
         Some(rest) => (rest, true),
         None => (name, false),
@@ -146,6 +160,7 @@ fn parse_method(name: &str, seed: u64, lm: &LoadedModel, model_sha: &str) -> Res
             .with_context(|| {
                 format!("head `{head}` of method `{spec}` (chain heads: HEAD/POLICY)")
             })?;
+        let head = drafts(head)?;
         return Ok(Method {
             name: name.to_string(),
             kind: Kind::Tree {
@@ -199,7 +214,10 @@ fn parse_method(name: &str, seed: u64, lm: &LoadedModel, model_sha: &str) -> Res
                 meta.exit_layer
             );
         }
-        (AnyHead::Layer(Box::new(h)), meta.exit_layer)
+        (
+            AnyHead::Layer(Box::new(h.with_q8_0_drafts()?)),
+            meta.exit_layer,
+        )
     };
     let head = BenchHead { head, oracle };
     Ok(Method {
@@ -289,7 +307,7 @@ fn main() -> Result<()> {
     let methods: Vec<Method> = args
         .methods
         .iter()
-        .map(|m| parse_method(m, 1, &lm, &sha))
+        .map(|m| parse_method(m, 1, &lm, &sha, args.dense_heads))
         .collect::<Result<_>>()?;
     // One generator per method, alive for the whole run, so learning policies carry over.
     let vocab = lm.model.config().vocab_size;

@@ -349,18 +349,34 @@ impl LayerHeadWeights {
 fn quantized_q8_0(weights: &LayerHeadWeights) -> Result<NativeWeights> {
     let mut native = NativeWeights::default();
     for w in weights.matrices() {
-        let t = w.val();
-        let [out, k] = t.dims();
-        let values = t
-            .into_data()
-            .convert::<f32>()
-            .try_into_vec::<f32>()
-            .map_err(|e| ModelError::InvalidArgument(format!("head weights: {e:?}")))?;
-        let m = QuantMatrix::new(QuantFormat::Q8_0, quantize_q8_0(&values), out, k)
-            .map_err(|e| ModelError::InvalidArgument(format!("head weights: {e}")))?;
-        native.insert(w, Arc::new(m));
+        native.insert(w, Arc::new(q8_0_matrix(w.val())?));
     }
     Ok(native)
+}
+
+/// Whether `t` is an f32 tensor of the CPU default (flex), where the quantized kernels run.
+fn on_flex(t: &Tensor<2>) -> bool {
+    #[cfg(feature = "flex")]
+    {
+        crate::cpu::flex_f32(t).is_some()
+    }
+    #[cfg(not(feature = "flex"))]
+    {
+        let _ = t;
+        false
+    }
+}
+
+/// A dense `[out, k]` matrix in Q8_0 blocks.
+fn q8_0_matrix(t: Tensor<2>) -> Result<QuantMatrix> {
+    let [out, k] = t.dims();
+    let values = t
+        .into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .map_err(|e| ModelError::InvalidArgument(format!("head weights: {e:?}")))?;
+    QuantMatrix::new(QuantFormat::Q8_0, quantize_q8_0(&values), out, k)
+        .map_err(|e| ModelError::InvalidArgument(format!("head weights: {e}")))
 }
 
 /// A copy of `layer` with parameters of its own: dense f32 tensors with fresh ids, that
@@ -468,6 +484,24 @@ impl LayerHead {
             exit_layer: n,
             projection: Projection::new(model, subset)?,
         })
+    }
+
+    /// Drafts from Q8_0 copies of the head's matrices and of its projection rows whatever the
+    /// model's weight format, as a head of a native model always does: on the CPU a draft's
+    /// cost is the bytes it streams (a lookahead head with an 8,192-token projection: ≈ 36 MB
+    /// in f32, ≈ 9 MB in Q8_0). Only drafts can change, never the output. Other backends keep
+    /// drafting from the dense weights.
+    pub fn with_q8_0_drafts(mut self) -> Result<Self> {
+        if !on_flex(&self.weights.layer.wqkv.val()) {
+            return Ok(self);
+        }
+        if self.weights.layer.native.bytes() == 0 {
+            self.weights.layer.native = quantized_q8_0(&self.weights)?;
+        }
+        if self.projection.native.is_none() {
+            self.projection.native = Some(Arc::new(q8_0_matrix(self.projection.weight.val())?));
+        }
+        Ok(self)
     }
 
     /// The trainable weights.

@@ -440,3 +440,64 @@ fn tree_sampling_with_a_lookahead_head_has_the_ar_distribution() {
         assert_same_distribution(&ar, &tree, &format!("token {position}, opt@12+head"));
     }
 }
+
+/// On a dense f32 model a head can draft from Q8_0 copies of its matrices and projection rows
+/// (as a native model's heads always do): it then holds the blocks, drafts nearly the dense
+/// head's logits, and tree decoding with it stays AR's output.
+#[test]
+fn a_head_drafting_from_q8_0_copies_keeps_trees_lossless() {
+    let model = tiny(0);
+    let vocab = model.config().vocab_size;
+    let layers = model.num_layers();
+    let dense = lookahead_head(&model, layers);
+    assert_eq!(dense.weights().layer.native.bytes(), 0);
+    let q8 = lookahead_head(&model, layers).with_q8_0_drafts().unwrap();
+    assert!(q8.weights().layer.native.bytes() > 0);
+    // Same draft, up to Q8_0 rounding, from the same states.
+    let mut cache = model.new_cache();
+    let h = model
+        .forward_layers(model.embed(&PROMPT).unwrap(), 0..layers, &mut cache)
+        .unwrap();
+    let logits = |head: &LayerHead| -> Vec<f32> {
+        let mut hc = eesd_core::LookaheadHead::new_cache(head, &model);
+        let draft = eesd_core::LookaheadHead::lookahead(
+            head,
+            &model,
+            h.clone().narrow(0, 0, PROMPT.len() - 1),
+            &PROMPT[1..],
+            &mut hc,
+        )
+        .unwrap();
+        draft
+            .draft
+            .logits
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .unwrap()
+    };
+    let (a, b) = (logits(&dense), logits(&q8));
+    let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let diff = a
+        .iter()
+        .zip(&b)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(diff > 0.0 && diff < 0.05 * scale, "diff {diff} of {scale}");
+    let ar_config = GenerationConfig {
+        max_new_tokens: 40,
+        ..Default::default()
+    };
+    let ar = generate(&model, None, &PROMPT, &ar_config);
+    let config = GenerationConfig {
+        mode: Mode::Tree,
+        tree_budget: 8,
+        ..ar_config
+    };
+    let d = HeadDrafter::new(
+        &model,
+        &q8,
+        "opt@8".parse::<DrafterSpec>().unwrap().build(vocab),
+    );
+    let out = generate(&model, Some(Box::new(d)), &PROMPT, &config);
+    assert_eq!(out.tokens, ar.tokens);
+}
