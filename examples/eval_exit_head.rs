@@ -11,9 +11,9 @@
 //! parameter-free logit lens). `--lookahead shipped[,PREFIX...] [--levels 3]` also scores tree
 //! (lookahead) heads level by level: level 1 drafts the root's children, each deeper level
 //! drafts from the head's own state of the level before (`opt@B+HEAD:LEVELS`), and the path
-//! column is the tokens per round of drafting the head's best path alone. All heads share one teacher pass per answer
-//! (`eesd::core::head_eval`), and the replay is exact: a test checks it against the generator's
-//! own accepted counts. `--svg` plots each trained head's held-out agreement against training
+//! column is the tokens per round of drafting the head's best path alone. All chain heads share
+//! one teacher pass per answer (`eesd::core::head_eval`), and the replay is exact: tests check
+//! it against the generator's own accepted counts, for chains and for a lookahead head's path. `--svg` plots each trained head's held-out agreement against training
 //! tokens seen, from the history in its checkpoint.
 
 #[path = "common/bench_model.rs"]

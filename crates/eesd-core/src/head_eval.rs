@@ -45,12 +45,7 @@ pub fn teacher_forced_ranks<M: LayeredModel, H: DraftHead<M>>(
             "exit layer {n} of a model of {layers} layers (must be in 1..{layers})"
         )));
     }
-    if tokens.len() > model.context_length() {
-        return Err(CoreError::PromptTooLong {
-            prompt: tokens.len(),
-            context: model.context_length(),
-        });
-    }
+    fits_context(model, tokens)?;
     if score.is_empty() {
         return Ok(vec![Vec::new(); heads.len()]);
     }
@@ -92,6 +87,17 @@ pub fn teacher_forced_ranks<M: LayeredModel, H: DraftHead<M>>(
                 .collect()
         })
         .collect())
+}
+
+/// A sequence longer than the model's context is refused before any pass.
+fn fits_context<M: LayeredModel>(model: &M, tokens: &[u32]) -> Result<()> {
+    match tokens.len() > model.context_length() {
+        true => Err(CoreError::PromptTooLong {
+            prompt: tokens.len(),
+            context: model.context_length(),
+        }),
+        false => Ok(()),
+    }
 }
 
 /// The column of each vocabulary token in a head's `n` logits: its position in `ids` when the
@@ -141,12 +147,7 @@ pub fn lookahead_ranks<M: LayeredModel, H: LookaheadHead<M>>(
             "feature layer {n} of a model of {layers} layers"
         )));
     }
-    if tokens.len() > model.context_length() {
-        return Err(CoreError::PromptTooLong {
-            prompt: tokens.len(),
-            context: model.context_length(),
-        });
-    }
+    fits_context(model, tokens)?;
     let mut ranks = vec![Ranks::new(); levels];
     if score.is_empty() || levels == 0 {
         return Ok(ranks);
@@ -189,7 +190,7 @@ pub fn lookahead_ranks<M: LayeredModel, H: LookaheadHead<M>>(
         )?;
         for (level, ranks) in ranks.iter_mut().enumerate() {
             // Level `level + 1` drafts the model's token after `tokens[i + level]`.
-            let Some(&target) = greedy.get(i + level).filter(|_| i + level < tokens.len()) else {
+            let Some(&target) = greedy.get(i + level) else {
                 break;
             };
             let [_, width] = draft.draft.logits.dims();

@@ -526,17 +526,29 @@ impl LayerHead {
         self.projection.ids.as_deref().map(Vec::as_slice)
     }
 
-    /// Runs the head's layer and norm on `hidden: [t, hidden]`, with or without a cache.
-    fn hidden(
+    /// Runs the head's block on `hidden: [t, hidden]` (its output before the norm), with or
+    /// without a cache; positions past the model's context are an error.
+    fn state(
         &self,
         model: &Llama,
         hidden: Tensor<2>,
         cache: Option<&mut LayerCache>,
     ) -> Result<Tensor<2>> {
         let c = model.config();
-        let past = cache.as_ref().map_or(0, |c| c.len());
-        let ctx = AttentionContext::for_config(model.rope(), c, past, hidden.dims()[0]);
-        self.weights.forward(hidden, model.rope(), &ctx, cache, c)
+        let (past, rows) = (cache.as_ref().map_or(0, |c| c.len()), hidden.dims()[0]);
+        if past + rows > c.context_length {
+            return Err(ModelError::ContextOverflow {
+                needed: past + rows,
+                limit: c.context_length,
+            });
+        }
+        let ctx = AttentionContext::for_config(model.rope(), c, past, rows);
+        self.weights.block(hidden, model.rope(), &ctx, cache, c)
+    }
+
+    /// The head's output norm on `state` rows ([`LayerHead::state`]).
+    fn normed(&self, model: &Llama, state: Tensor<2>) -> Tensor<2> {
+        rms_norm(state, self.weights.norm.val(), model.config().rms_norm_eps)
     }
 
     /// A chain head's refusal to run as a lookahead head and the other way round.
@@ -584,25 +596,12 @@ impl LookaheadHead<Llama> for LayerHead {
                 next.len()
             )));
         }
-        let c = model.config();
-        let input = self
-            .weights
-            .fused_input(hidden, model.embed(next)?, c.rms_norm_eps)?;
-        let (past, rows) = (cache.len(), next.len());
-        if past + rows > c.context_length {
-            return Err(ModelError::ContextOverflow {
-                needed: past + rows,
-                limit: c.context_length,
-            });
-        }
-        let ctx = AttentionContext::for_config(model.rope(), c, past, rows);
-        let h = self
-            .weights
-            .block(input, model.rope(), &ctx, Some(cache), c)?;
-        let state = h.narrow(0, rows - 1, 1);
-        let normed = rms_norm(state.clone(), self.weights.norm.val(), c.rms_norm_eps);
+        let eps = model.config().rms_norm_eps;
+        let input = self.weights.fused_input(hidden, model.embed(next)?, eps)?;
+        let h = self.state(model, input, Some(cache))?;
+        let state = h.narrow(0, next.len() - 1, 1);
         Ok(LookaheadDraft {
-            draft: self.projection.logits(normed),
+            draft: self.projection.logits(self.normed(model, state.clone())),
             state,
         })
     }
@@ -636,12 +635,12 @@ impl DraftHead<Llama> for LayerHead {
         self.ensure_chain()?;
         Ok(self
             .projection
-            .logits(self.hidden(model, hidden, Some(cache))?))
+            .logits(self.normed(model, self.state(model, hidden, Some(cache))?)))
     }
 
     fn extend(&self, model: &Llama, hidden: Tensor<2>, cache: &mut LayerCache) -> Result<()> {
         self.ensure_chain()?;
-        self.hidden(model, hidden, Some(cache)).map(drop)
+        self.state(model, hidden, Some(cache)).map(drop)
     }
 
     fn cached_len(&self, cache: &LayerCache) -> usize {

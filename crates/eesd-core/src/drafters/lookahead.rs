@@ -176,8 +176,7 @@ impl<M: LayeredModel, H: LookaheadHead<M>, D: Drafter> Drafter for HeadDrafter<'
                     },
                 ));
             // One level deeper below the best child: the head's own state stands in for the
-            // model's at the child's parent.
-            // (Its row takes the next position, which must be inside the context.)
+            // model's at the child's parent, in a row at the next position (inside the context).
             let room = self.head.cached_len(&self.cache) < self.model.context_length();
             let Some(best) = self
                 .suggested
