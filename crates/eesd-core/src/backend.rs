@@ -68,7 +68,7 @@ impl Backend {
             }
             Backend::TchCuda => {
                 #[cfg(feature = "tch")]
-                return Ok(Device::libtorch_cuda(0));
+                return libtorch_cuda();
                 Err(missing("tch"))
             }
             Backend::Cuda => {
@@ -81,6 +81,33 @@ impl Backend {
                 return Ok(Device::vulkan(burn::tensor::DeviceKind::DefaultDevice));
                 Err(missing("vulkan"))
             }
+        }
+    }
+}
+
+/// LibTorch's CUDA device 0, checked by placing one value on it. burn-tch decides at build time
+/// whether CUDA can be used: built against a CPU-only LibTorch (such as
+/// `scripts/setup-libtorch.sh`'s), it panics at the first tensor on a CUDA device even where a
+/// CUDA LibTorch is loaded at run time; LibTorch itself fails where no GPU is visible. Both
+/// become an error here instead of a panic in the middle of a program.
+#[cfg(feature = "tch")]
+fn libtorch_cuda() -> Result<Device, CoreError> {
+    let device = Device::libtorch_cuda(0);
+    let probe = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        burn::tensor::Tensor::<1>::zeros([1], &device).into_data()
+    }));
+    match probe {
+        Ok(_) => Ok(device),
+        Err(payload) => {
+            let message = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "LibTorch failed on CUDA device 0".into());
+            Err(CoreError::Backend {
+                name: Backend::TchCuda.name().into(),
+                reason: format!("{message} (build against a CUDA LibTorch, see docs/backends.md)"),
+            })
         }
     }
 }
@@ -108,6 +135,22 @@ impl std::fmt::Display for Backend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// With a CPU-only LibTorch (CI's), `tch-cuda` is an error, not a panic at the first tensor.
+    #[cfg(feature = "tch")]
+    #[test]
+    fn tch_cuda_without_a_cuda_libtorch_is_an_error() {
+        let result = Backend::TchCuda.device();
+        let cuda_libtorch = std::env::var("LIBTORCH").is_ok_and(|dir| {
+            std::path::Path::new(&dir)
+                .join("lib/libtorch_cuda.so")
+                .exists()
+        });
+        if !cuda_libtorch {
+            let err = result.expect_err("a CPU-only LibTorch cannot give a CUDA device");
+            assert!(err.to_string().contains("tch-cuda"), "{err}");
+        }
+    }
 
     #[test]
     fn parses_names() {
