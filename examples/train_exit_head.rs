@@ -19,7 +19,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use clap::Parser;
 use eesd::core::{Backend, DraftHead, SamplingParams};
 use eesd::models::{
@@ -156,6 +156,34 @@ struct Args {
     /// Output prefix.
     #[arg(long, default_value = "heads/smollm2-head")]
     out: PathBuf,
+    /// Only write the chat prompts' token ids (`{"prompt": i, "tokens": [...]}` per line, cut
+    /// as for answering) to this file and exit: for answering them elsewhere, e.g. with
+    /// `scripts/torch_answers.py` on a CUDA GPU, and training on the answers with `--data`.
+    #[arg(long)]
+    export_prompts: Option<PathBuf>,
+}
+
+/// Longest prompt answered, in tokens (longer chat prompts are cut to their start).
+const MAX_PROMPT_TOKENS: usize = 1024;
+
+/// The token ids a prompt is answered from: its chat template, cut to `MAX_PROMPT_TOKENS`.
+fn chat_tokens(lm: &LoadedModel, prompt: &str) -> Result<Vec<u32>> {
+    let mut ids = lm.chat_prompt(prompt)?;
+    ids.truncate(MAX_PROMPT_TOKENS);
+    Ok(ids)
+}
+
+/// Writes the chat prompts' token ids, one json line per prompt (`--export-prompts`).
+fn export_prompts(lm: &LoadedModel, prompts: &[String], path: &Path) -> Result<()> {
+    let mut lines = String::new();
+    for (i, prompt) in prompts.iter().enumerate() {
+        let tokens = chat_tokens(lm, prompt)?;
+        lines += &serde_json::to_string(&serde_json::json!({ "prompt": i, "tokens": tokens }))?;
+        lines.push('\n');
+    }
+    std::fs::write(path, lines).with_context(|| format!("writing {}", path.display()))?;
+    eprintln!("wrote {} chat prompts to {}", prompts.len(), path.display());
+    Ok(())
 }
 
 /// The model layer a head for exit layer `n` starts from.
@@ -204,6 +232,11 @@ fn main() -> Result<()> {
     };
     let lm = LoadedModel::load(&path, &device, &options)?;
     let m = &lm.model;
+    if let Some(path) = &args.export_prompts {
+        let prompts = prompts::load(&args.prompts, args.num_prompts)?;
+        return export_prompts(&lm, &prompts, path);
+    }
+
     if let Some(dir) = args.out.parent() {
         std::fs::create_dir_all(dir)?;
     }
@@ -253,11 +286,6 @@ fn main() -> Result<()> {
             .create(true)
             .append(true)
             .open(&data_path)?;
-        let chat = |i: usize| -> Result<Vec<u32>> {
-            let mut ids = lm.chat_prompt(&prompts[i])?;
-            ids.truncate(1024);
-            Ok(ids)
-        };
         for greedy in [true, false] {
             let todo: Vec<(usize, usize)> = missing
                 .iter()
@@ -281,7 +309,7 @@ fn main() -> Result<()> {
                 .iter()
                 .map(|&(i, s)| {
                     Ok(AnswerPrompt {
-                        tokens: chat(i)?,
+                        tokens: chat_tokens(&lm, &prompts[i])?,
                         seed: answer_seed(args.seed, i, s),
                     })
                 })
