@@ -5,14 +5,12 @@
 use std::path::Path;
 
 mod common;
-use common::{run_train_exit_head, write_prompts};
+use common::{run_train_exit_head, tiny_model, write_prompts};
 
 #[test]
 fn exported_prompts_answered_elsewhere_are_trained_on_as_they_are() {
     let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("tiny.gguf");
-    eesd::models::testing::write_tiny_gguf(&model, &eesd::models::testing::tiny_config(), 3)
-        .unwrap();
+    let model = tiny_model(dir.path(), 3);
     let prompts = dir.path().join("prompts.jsonl");
     let texts: Vec<String> = (0..8).map(|i| format!("Count to {i}, please.")).collect();
     write_prompts(&prompts, texts.clone());
@@ -20,11 +18,11 @@ fn exported_prompts_answered_elsewhere_are_trained_on_as_they_are() {
 
     let ids = dir.path().join("ids.jsonl");
     let run = |args: &[&str]| {
-        let out = run_train_exit_head(&model, &prompts, &out, args);
+        let result = run_train_exit_head(&model, &prompts, &out, args);
         assert!(
-            out.status.success(),
+            result.status.success(),
             "{}",
-            String::from_utf8_lossy(&out.stderr)
+            String::from_utf8_lossy(&result.stderr)
         );
     };
     run(&[

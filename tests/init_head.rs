@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::Output;
 
 mod common;
-use common::{run_train_exit_head, write_prompts};
+use common::{run_train_exit_head, tiny_model, write_prompts};
 
 fn run(model: &Path, prompts: &Path, out: &Path, extra: &[&str]) -> Output {
     let tiny = [
@@ -29,9 +29,7 @@ fn metadata(prefix: &Path) -> serde_json::Value {
 #[test]
 fn training_continues_from_a_saved_head_and_refuses_one_that_does_not_fit() {
     let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("tiny.gguf");
-    eesd::models::testing::write_tiny_gguf(&model, &eesd::models::testing::tiny_config(), 3)
-        .unwrap();
+    let model = tiny_model(dir.path(), 3);
     let prompts = dir.path().join("prompts.jsonl");
     write_prompts(&prompts, (0..12).map(|i| format!("Count to {i}, please.")));
     let data = dir.path().join("answers.jsonl");

@@ -13,7 +13,7 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
 mod common;
-use common::{train_exit_head, write_prompts};
+use common::{tiny_model, train_exit_head, write_prompts};
 
 /// A training run's arguments; `out` is the output prefix.
 fn run_args(model: &Path, prompts: &Path, out: &Path, settings: &[&str]) -> Vec<String> {
@@ -144,9 +144,7 @@ fn prompts_file(dir: &Path, n: usize) -> PathBuf {
 fn a_run_killed_many_times_on_the_tiny_model_ends_like_an_uninterrupted_one() {
     let layers = [1, 2];
     let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("tiny.gguf");
-    eesd::models::testing::write_tiny_gguf(&model, &eesd::models::testing::tiny_config(), 11)
-        .unwrap();
+    let model = tiny_model(dir.path(), 11);
     let prompts = prompts_file(dir.path(), 24);
     let settings = [
         "--exit-layer",

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::Output;
 
 mod common;
-use common::{run_train_exit_head, write_prompts};
+use common::{run_train_exit_head, tiny_model, write_prompts};
 
 fn run(model: &Path, prompts: &Path, out: &Path, extra: &[&str]) -> Output {
     let tiny = [
@@ -42,9 +42,7 @@ fn warmup_steps(prefix: &Path) -> u64 {
 #[test]
 fn a_spent_time_budget_ends_the_run_early_and_resume_continues_it() {
     let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("tiny.gguf");
-    eesd::models::testing::write_tiny_gguf(&model, &eesd::models::testing::tiny_config(), 5)
-        .unwrap();
+    let model = tiny_model(dir.path(), 5);
     let prompts = dir.path().join("prompts.jsonl");
     write_prompts(&prompts, (0..8).map(|i| format!("Name {i} colours.")));
     let out = dir.path().join("head");

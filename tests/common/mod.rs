@@ -37,6 +37,14 @@ pub fn run_train_exit_head(model: &Path, prompts: &Path, out: &Path, args: &[&st
         .unwrap()
 }
 
+/// Writes the tiny test model (`tiny_config`, weights drawn from `seed`) to `dir/tiny.gguf`.
+pub fn tiny_model(dir: &Path, seed: u64) -> PathBuf {
+    let model = dir.join("tiny.gguf");
+    eesd::models::testing::write_tiny_gguf(&model, &eesd::models::testing::tiny_config(), seed)
+        .unwrap();
+    model
+}
+
 /// Writes `prompts` to `path` as a prompt file (`{"prompt": ...}` lines).
 pub fn write_prompts(path: &Path, prompts: impl IntoIterator<Item = String>) {
     let lines: Vec<String> = prompts

@@ -91,13 +91,13 @@ pub fn teacher_forced_ranks<M: LayeredModel, H: DraftHead<M>>(
 
 /// A sequence longer than the model's context is refused before any pass.
 fn fits_context<M: LayeredModel>(model: &M, tokens: &[u32]) -> Result<()> {
-    match tokens.len() > model.context_length() {
-        true => Err(CoreError::PromptTooLong {
+    if tokens.len() > model.context_length() {
+        return Err(CoreError::PromptTooLong {
             prompt: tokens.len(),
             context: model.context_length(),
-        }),
-        false => Ok(()),
+        });
     }
+    Ok(())
 }
 
 /// The column of each vocabulary token in a head's `n` logits: its position in `ids` when the

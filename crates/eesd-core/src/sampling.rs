@@ -104,10 +104,10 @@ impl SamplingParams {
 /// of (unnormalised) probability, at most `k`. Returns the ranked tokens and how many are kept.
 ///
 /// Ranking the whole vocabulary costs ≈ 2 ms for 49,152 tokens, half a decoding step of
-/// SmolLM2-135M on two cores, while the nucleus is usually a few hundred tokens. So only the tokens above a
-/// probability threshold are ranked, the threshold lowered until they hold the cut: every token
-/// below it ranks after all of them, so the kept tokens, their order and their sum are those of
-/// ranking everything (tested against that definition).
+/// SmolLM2-135M on two cores, while the nucleus is usually a few hundred tokens. So only the
+/// tokens above a probability threshold are ranked, the threshold lowered until they hold the
+/// cut: every token below it ranks after all of them, so the kept tokens, their order and their
+/// sum are those of ranking everything (tested against that definition).
 fn nucleus(probs: &[f32], k: usize, mass: f64) -> (Vec<usize>, usize) {
     let top = probs.iter().copied().fold(0f32, f32::max);
     let mut threshold = top;
