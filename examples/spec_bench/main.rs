@@ -1,9 +1,10 @@
-//! Spec-Bench: AR against EESD and tree speculation methods on the same questions, greedy, in
-//! one run.
+//! Spec-Bench: AR against EESD and tree speculation methods on the same questions, in one run;
+//! greedy by default, or sampled (`--temperature`).
 //!
 //! ```text
 //! cargo run --release --example spec_bench -- --questions ../shared/data/spec_bench.jsonl \
-//!     --per-category 2 --max-new-tokens 128 [--methods norm@8/cost-ts,norm@12/fixed:2] [--json] [--out DIR]
+//!     --per-category 2 --max-new-tokens 128 [--methods norm@8/cost-ts,norm@12/fixed:2] \
+//!     [--temperature 0.7 --top-p 0.95 --seed 1] [--json] [--out DIR]
 //! ```
 //! A method is `HEAD[@LAYER]/POLICY`; HEAD is `shipped`, the path prefix of a trained head
 //! checkpoint, `norm@LAYER` (parameter-free), or `oracle:A[+HEAD]` — the work of HEAD (default
@@ -16,6 +17,13 @@
 //! `opt@8+shipped:3`: three levels along the head's best child). For every question the methods run right after
 //! AR on the same prompt (first turn, chat template), so machine drift cancels in the speedup, and
 //! every method's tokens are compared with AR's: `divergences` must be 0.
+//!
+//! Sampled runs (`--temperature`) seed AR and every method alike. Tree speculation then draws
+//! AR's very tokens: it samples each emitted token once, from the same target row and with the
+//! sampler's next draw, as AR does, so its `divergences` must be 0 there too. EESD chains keep
+//! AR's distribution but not its draws (speculative sampling draws more randomness; the tests
+//! check the distribution), so theirs is `null`; `oracle:` methods, which steer drafts toward
+//! AR's tokens, are refused.
 
 #[path = "../common/bench_model.rs"]
 mod bench_model;
@@ -40,7 +48,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use eesd::bandit::Policy;
 use eesd::core::drafters::{DrafterSpec, HeadDrafter};
-use eesd::core::{GenerationConfig, GenerationOutput, Generator, Mode};
+use eesd::core::{GenerationConfig, GenerationOutput, Generator, Mode, SamplingParams};
 use eesd::models::{AnyHead, LayerHead, Llama, LoadedModel, NormHead};
 use eesd::models::{load_layer_head, load_lookahead_head};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -90,6 +98,18 @@ struct Args {
     /// `+ngrams` methods draft from.
     #[arg(long)]
     ngrams: Option<PathBuf>,
+    /// Sampling temperature (0: greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling threshold (with `--temperature`).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Top-k sampling, 0 = off (with `--temperature`).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Seed of every sampler (each method and AR draw with it on every question).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -279,7 +299,9 @@ impl Totals {
         self.tokens as f64 / self.seconds.max(1e-9)
     }
 
-    fn summary(&self, ar: &Totals) -> serde_json::Value {
+    /// The totals as JSON; `compared`: whether outputs were checked against AR's, else
+    /// `divergences` is `null`.
+    fn summary(&self, ar: &Totals, compared: bool) -> serde_json::Value {
         serde_json::json!({
             "tokens_per_second": self.tokens_per_second(),
             "speedup": self.tokens_per_second() / ar.tokens_per_second(),
@@ -292,7 +314,7 @@ impl Totals {
             // accepted token's pass through layers [0, N), which plain decoding does too.
             "draft_ms_per_round": 1e3 * self.draft_seconds / self.rounds.max(1) as f64,
             "verify_ms_per_round": 1e3 * self.verify_seconds / self.rounds.max(1) as f64,
-            "divergences": self.divergences, "tokens": self.tokens, "runs": self.runs,
+            "divergences": compared.then_some(self.divergences), "tokens": self.tokens, "runs": self.runs,
             "accepted_histogram": self.accepted_histogram,
             "drafted_histogram": self.drafted_histogram,
             "drafter_rounds": self.choices,
@@ -303,12 +325,29 @@ impl Totals {
 fn main() -> Result<()> {
     let args = Args::parse();
     let questions = questions::load(&args.questions, args.per_category, &args.categories)?;
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+    };
+    sampling.validate()?;
+    let greedy = sampling.is_greedy();
     let (lm, path, sha) = args.model.load()?;
     let methods: Vec<Method> = args
         .methods
         .iter()
         .map(|m| parse_method(m, 1, &lm, &sha, args.dense_heads))
         .collect::<Result<_>>()?;
+    if !greedy
+        && let Some(m) = methods
+            .iter()
+            .find(|m| matches!(&m.kind, Kind::Eesd { head, .. } if head.oracle.is_some()))
+    {
+        bail!(
+            "`{}` steers drafts toward AR's tokens, which only greedy decoding fixes: run it without --temperature",
+            m.name
+        );
+    }
     // One generator per method, alive for the whole run, so learning policies carry over.
     let vocab = lm.model.config().vocab_size;
     let wants_store = methods
@@ -374,13 +413,23 @@ fn main() -> Result<()> {
     bar.set_style(ProgressStyle::with_template(
         "{bar:40} {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]",
     )?);
-    // totals[method][category]; method 0 is AR.
+    // totals[method][category]; method 0 is AR. Whether a method's tokens must equal AR's: all
+    // of them when greedy; when sampling, tree speculation's (see the module docs).
+    let compared: Vec<bool> = std::iter::once(true)
+        .chain(
+            methods
+                .iter()
+                .map(|m| greedy || matches!(m.kind, Kind::Tree { .. })),
+        )
+        .collect();
     let mut totals: Vec<BTreeMap<String, Totals>> = vec![BTreeMap::new(); methods.len() + 1];
     for q in &questions {
         let prompt = lm.chat_prompt(&q.turns[0])?;
         let base = GenerationConfig {
             max_new_tokens: args.max_new_tokens,
             stop_tokens: eos.clone(),
+            sampling,
+            seed: args.seed,
             ..Default::default()
         };
         bar.set_message(format!("q{} {} ar", q.question_id, q.category));
@@ -427,7 +476,7 @@ fn main() -> Result<()> {
                 }
                 _ => unreachable!("runners are built from their methods"),
             };
-            let diverged = out.tokens != ar.tokens;
+            let diverged = compared[i + 1] && out.tokens != ar.tokens;
             if diverged {
                 bar.println(format!(
                     "DIVERGENCE: question {} with {}",
@@ -449,38 +498,39 @@ fn main() -> Result<()> {
         .chain(methods.iter().map(|m| m.name.clone()))
         .collect();
     let mut per_method = serde_json::Map::new();
-    for (name, t) in names.iter().zip(&totals) {
+    for ((name, t), &compared) in names.iter().zip(&totals).zip(&compared) {
         let cats: serde_json::Map<String, serde_json::Value> = t
             .iter()
-            .map(|(c, v)| (c.clone(), v.summary(&totals[0][c])))
+            .map(|(c, v)| (c.clone(), v.summary(&totals[0][c], compared)))
             .collect();
         per_method.insert(name.clone(), cats.into());
     }
-    let best = names[1..].iter().zip(&totals[1..]).max_by(|a, b| {
-        a.1["overall"]
+    let best = (1..names.len()).max_by(|&a, &b| {
+        totals[a]["overall"]
             .tokens_per_second()
-            .total_cmp(&b.1["overall"].tokens_per_second())
+            .total_cmp(&totals[b]["overall"].tokens_per_second())
     });
     let divergences: usize = totals.iter().map(|t| t["overall"].divergences).sum();
     let overall = match best {
-        Some((name, t)) => {
-            let mut s = t["overall"].summary(&totals[0]["overall"]);
-            s["method"] = name.clone().into();
+        Some(best) => {
+            let mut s = totals[best]["overall"].summary(&totals[0]["overall"], compared[best]);
+            s["method"] = names[best].clone().into();
+            // Over every method whose tokens must equal AR's.
             s["divergences"] = divergences.into();
             s
         }
-        None => totals[0]["overall"].summary(&totals[0]["overall"]),
+        None => totals[0]["overall"].summary(&totals[0]["overall"], true),
     };
     let report = serde_json::json!({
         "model": path.display().to_string(), "device": args.model.device.name(), "dtype": args.model.dtype.name(),
-        "questions": questions.len(),
+        "questions": questions.len(), "sampling": sampling, "seed": args.seed,
         "max_new_tokens": args.max_new_tokens, "overall": overall, "methods": per_method,
     });
 
     let mut table = String::from(
         "| method | category | tokens/s | speedup | mean accepted | draft + verify ms per round | divergences |\n|---|---|---|---|---|---|---|\n",
     );
-    for (name, t) in names.iter().zip(&totals) {
+    for ((name, t), &compared) in names.iter().zip(&totals).zip(&compared) {
         for (cat, v) in t {
             let ar = &totals[0][cat];
             table += &format!(
@@ -490,7 +540,10 @@ fn main() -> Result<()> {
                 v.tokens as f64 / v.rounds.max(1) as f64,
                 1e3 * v.draft_seconds / v.rounds.max(1) as f64,
                 1e3 * v.verify_seconds / v.rounds.max(1) as f64,
-                v.divergences
+                match compared {
+                    true => v.divergences.to_string(),
+                    false => "-".to_string(),
+                }
             );
         }
     }
@@ -508,20 +561,31 @@ fn main() -> Result<()> {
             dir.join("results.json"),
             serde_json::to_string_pretty(&report)?,
         )?;
-        write_plots(dir, &names, &totals)?;
+        write_plots(dir, &names, &totals, greedy)?;
     }
     if args.json {
         println!("{report}");
     } else {
         println!("{table}");
         println!("divergences from AR: {divergences}");
+        if !greedy {
+            println!(
+                "sampled (temperature {}, top-p {}, top-k {}, seed {}): tree methods must draw AR's tokens; EESD chains keep AR's distribution, not its draws (-)",
+                args.temperature, args.top_p, args.top_k, args.seed
+            );
+        }
     }
     Ok(())
 }
 
 /// `speedup.svg` (per category and method), `accepted.svg` (tokens accepted per round) and
 /// `draft_length.svg` (drafts per round chosen by each method's policy).
-fn write_plots(dir: &Path, names: &[String], totals: &[BTreeMap<String, Totals>]) -> Result<()> {
+fn write_plots(
+    dir: &Path,
+    names: &[String],
+    totals: &[BTreeMap<String, Totals>],
+    greedy: bool,
+) -> Result<()> {
     let categories: Vec<String> = totals[0].keys().cloned().collect();
     let speedups: Vec<(String, Vec<f64>)> = names[1..]
         .iter()
@@ -536,7 +600,10 @@ fn write_plots(dir: &Path, names: &[String], totals: &[BTreeMap<String, Totals>]
         .collect();
     plots::grouped_bars(
         &dir.join("speedup.svg"),
-        "EESD speedup over AR (same run, greedy)",
+        match greedy {
+            true => "EESD speedup over AR (same run, greedy)",
+            false => "EESD speedup over AR (same run, sampled)",
+        },
         &categories,
         "tokens/s ÷ AR tokens/s",
         &speedups,
