@@ -65,6 +65,16 @@ pub trait Drafter {
         let _ = (tree, best);
     }
 
+    /// Sampling only, right before [`Drafter::verified`]: the rows the target's token was drawn
+    /// from (`rows[0]` is the root's row 0, then the accepted nodes' rows `node + 1`, in order)
+    /// and the distribution each draw used (`distributions[i]` over the vocabulary, for
+    /// `rows[i]`). A candidate's chance of acceptance after such a row is its probability
+    /// there, where `verified`'s argmax tokens would count it accepted or not outright, which
+    /// overstates acceptance when sampling: drafters that rate candidates learn from these.
+    fn drawn(&mut self, tree: &DraftTree, rows: &[usize], distributions: &[Vec<f32>]) {
+        let _ = (tree, rows, distributions);
+    }
+
     /// The tokens a round emits: the accepted drafts plus the target's own (in sampling mode
     /// the accepted path is drawn, so [`Drafter::verified`]'s best tokens do not tell it).
     /// Called after [`Drafter::verified`] and before [`Drafter::round_time`].
@@ -140,6 +150,9 @@ impl<D: Drafter + ?Sized> Drafter for Box<D> {
     }
     fn verified(&mut self, tree: &DraftTree, best: &[u32]) {
         (**self).verified(tree, best)
+    }
+    fn drawn(&mut self, tree: &DraftTree, rows: &[usize], distributions: &[Vec<f32>]) {
+        (**self).drawn(tree, rows, distributions)
     }
     fn emitted(&mut self, tokens: usize) {
         (**self).emitted(tokens)

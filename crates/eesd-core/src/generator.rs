@@ -523,9 +523,17 @@ fn run_tree<M: LayeredModel, F: FnMut(&[u32]) -> ControlFlow<()>>(
         let h = rest_of_layers(m, states.clone(), split, &mut cache, Some(&mask))?;
         let logits = host(m.logits(h))?;
         let target = rows(&logits, vocab);
+        // Sampling draws as AR does (`Sampler::draw` is `Sampler::sample`), keeping each drawn
+        // row's distribution for the drafter.
+        let mut drawn: (Vec<usize>, Vec<Vec<f32>>) = (Vec::new(), Vec::new());
         let verdict = match params.is_greedy() {
             true => accept_tree(&tree, |row| argmax(target[row]) as u32),
-            false => accept_tree(&tree, |row| sampler.sample(target[row], &params)),
+            false => accept_tree(&tree, |row| {
+                let (token, distribution) = sampler.draw(target[row], &params);
+                drawn.0.push(row);
+                drawn.1.push(distribution);
+                token
+            }),
         };
         let kept: Vec<usize> = std::iter::once(0)
             .chain(verdict.path.iter().map(|n| n + 1))
@@ -542,6 +550,9 @@ fn run_tree<M: LayeredModel, F: FnMut(&[u32]) -> ControlFlow<()>>(
             .zip(&target)
             .map(|(ids, row)| ids.first().copied().unwrap_or_else(|| argmax(row) as u32))
             .collect();
+        if !drawn.0.is_empty() {
+            drafter.drawn(&tree, &drawn.0, &drawn.1);
+        }
         drafter.verified(&tree, &best);
         if wanted > 0 {
             for ((&token, row), ids) in tokens.iter().zip(&target).zip(&ranked) {

@@ -221,7 +221,14 @@ impl Sampler {
         if params.is_greedy() {
             return argmax(logits) as u32;
         }
-        self.categorical(&params.distribution(logits)) as u32
+        self.draw(logits, params).0
+    }
+
+    /// [`Sampler::sample`] with sampling params (not greedy), also returning the distribution
+    /// the token was drawn from: the same token and the same use of the random source.
+    pub fn draw(&mut self, logits: &[f32], params: &SamplingParams) -> (u32, Vec<f32>) {
+        let distribution = params.distribution(logits);
+        (self.categorical(&distribution) as u32, distribution)
     }
 }
 

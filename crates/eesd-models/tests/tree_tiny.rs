@@ -11,7 +11,7 @@ use common::{assert_same_distribution, sampled_histogram, tiny, tiny_quantized};
 use eesd_core::drafters::{DrafterSpec, HeadDrafter};
 use eesd_core::{
     DraftTree, Drafter, GenerationConfig, GenerationOutput, Generator, LayeredModel, Mode,
-    StopReason,
+    SamplingParams, StopReason,
 };
 use eesd_models::{HeadKind, LayerHead, Llama};
 use rand::rngs::StdRng;
@@ -411,6 +411,96 @@ fn a_lookahead_head_sees_every_committed_position_once_in_order() {
             )
             .unwrap();
         assert_eq!(states, to_rows(expected), "layer {n}");
+    }
+}
+
+/// Each sampled round's draws, as a drafter is shown them: the tree, the rows drawn from and
+/// their distributions.
+type Draws = std::rc::Rc<std::cell::RefCell<Vec<(DraftTree, Vec<usize>, Vec<Vec<f32>>)>>>;
+
+/// A drafter that records what [`Drafter::drawn`] shows it.
+struct DrawRecorder<D> {
+    inner: D,
+    draws: Draws,
+}
+
+impl<D: Drafter> Drafter for DrawRecorder<D> {
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+    fn propose(&mut self, context: &[u32], budget: usize) -> DraftTree {
+        self.inner.propose(context, budget)
+    }
+    fn candidates_wanted(&self) -> usize {
+        self.inner.candidates_wanted()
+    }
+    fn observe(&mut self, token: u32, candidates: &[u32], logits: &[f32]) {
+        self.inner.observe(token, candidates, logits)
+    }
+    fn verified(&mut self, tree: &DraftTree, best: &[u32]) {
+        self.inner.verified(tree, best)
+    }
+    fn drawn(&mut self, tree: &DraftTree, rows: &[usize], distributions: &[Vec<f32>]) {
+        let round = (tree.clone(), rows.to_vec(), distributions.to_vec());
+        self.draws.borrow_mut().push(round);
+        self.inner.drawn(tree, rows, distributions)
+    }
+}
+
+/// When sampling, the drafter is shown every draw of a round: the root's row, then the row of
+/// each node the draws accepted (a path, each node carrying the token drawn at the row before
+/// it, which its distribution allows), each with a distribution over the vocabulary; one draw
+/// per emitted token. Greedy rounds show none.
+#[test]
+fn sampled_rounds_show_the_drafter_each_draw() {
+    let model = tiny(5);
+    let vocab = model.config().vocab_size;
+    for temperature in [0.0, 1.2] {
+        let draws = Draws::default();
+        let recorder = DrawRecorder {
+            inner: "opt@12".parse::<DrafterSpec>().unwrap().build(vocab),
+            draws: std::rc::Rc::clone(&draws),
+        };
+        let config = GenerationConfig {
+            mode: Mode::Tree,
+            tree_budget: 12,
+            max_new_tokens: 40,
+            sampling: SamplingParams {
+                temperature,
+                top_k: 12,
+                top_p: 1.0,
+            },
+            seed: 3,
+            ..Default::default()
+        };
+        let out = generate(&model, Some(Box::new(recorder)), &PROMPT, &config);
+        let rounds = draws.take();
+        if temperature == 0.0 {
+            assert!(rounds.is_empty());
+            continue;
+        }
+        assert_eq!(rounds.len(), out.stats.rounds);
+        let (mut total, mut accepted) = (0, 0);
+        for (tree, rows, distributions) in &rounds {
+            assert_eq!(rows.len(), distributions.len());
+            assert_eq!(rows[0], 0, "the root's row first");
+            for (i, d) in distributions.iter().enumerate() {
+                assert_eq!(d.len(), vocab);
+                let sum: f32 = d.iter().sum();
+                assert!((sum - 1.0).abs() < 1e-4, "{sum}");
+                if let Some(&next) = rows.get(i + 1) {
+                    let node = next - 1;
+                    let parent = tree.parents()[node].map_or(0, |p| p + 1);
+                    assert_eq!(parent, rows[i], "the drawn rows are a path");
+                    assert!(d[tree.tokens()[node] as usize] > 0.0);
+                }
+            }
+            total += rows.len();
+            accepted += rows.len() - 1;
+        }
+        assert_eq!(total, out.tokens.len(), "one draw per emitted token");
+        assert_eq!(accepted, out.stats.accepted);
+        assert!(accepted > 0, "no draft accepted");
     }
 }
 

@@ -67,6 +67,12 @@ impl Drafter for Fused {
         }
     }
 
+    fn drawn(&mut self, tree: &DraftTree, rows: &[usize], distributions: &[Vec<f32>]) {
+        for (drafter, _) in &mut self.parts {
+            drafter.drawn(tree, rows, distributions);
+        }
+    }
+
     fn emitted(&mut self, tokens: usize) {
         for (drafter, _) in &mut self.parts {
             drafter.emitted(tokens);

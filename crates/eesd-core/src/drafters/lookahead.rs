@@ -123,6 +123,10 @@ impl<M: LayeredModel, H: LookaheadHead<M>, D: Drafter> Drafter for HeadDrafter<'
         self.inner.verified(tree, best);
     }
 
+    fn drawn(&mut self, tree: &DraftTree, rows: &[usize], distributions: &[Vec<f32>]) {
+        self.inner.drawn(tree, rows, distributions);
+    }
+
     fn emitted(&mut self, tokens: usize) {
         self.inner.emitted(tokens);
     }

@@ -18,8 +18,10 @@
 //! ([`Drafter::suggest`]) by the head's rank and probability, and whether another source
 //! proposes the same token; continuations from an n-gram store of the model's own writing
 //! ([`OptTree::with_store`]) by the context length matched, rank and share. Every verified row tells, for every candidate offered after
-//! that row (drafted or not), whether it was the target's choice; rates forget slowly so they
-//! follow the task at hand.
+//! that row (drafted or not), whether it was the target's choice (when sampling: its
+//! probability in the distribution the row's token was drawn from, [`Drafter::drawn`], so that
+//! trees are sized by the acceptance sampling really gets); rates forget slowly so they follow
+//! the task at hand.
 
 use std::collections::BinaryHeap;
 use std::sync::Arc;
@@ -175,9 +177,11 @@ impl EdgeRates {
         (self.hits[i] + edge.prior() * PRIOR_WEIGHT) / (self.seen[i] + PRIOR_WEIGHT)
     }
 
-    fn record(&mut self, edge: Edge, hit: bool) {
+    /// One trial of `edge` that was accepted with probability `hit` (1 or 0 for the target's
+    /// argmax; the sampling distribution's probability of the token when sampling).
+    fn record(&mut self, edge: Edge, hit: f64) {
         let i = edge.index();
-        self.hits[i] = self.hits[i] * FORGET + f64::from(u8::from(hit));
+        self.hits[i] = self.hits[i] * FORGET + hit.clamp(0.0, 1.0);
         self.seen[i] = self.seen[i] * FORGET + 1.0;
     }
 }
@@ -193,6 +197,27 @@ struct Proposal {
     offered: Vec<Vec<Offer>>,
 }
 
+impl Proposal {
+    /// The proposal's row for each row of the verified `tree` (which may be cut shorter or
+    /// merged with others' nodes), matched by path; `None` where the proposal had no such node.
+    fn rows_of(&self, tree: &DraftTree) -> Vec<Option<usize>> {
+        let mut own: Vec<Option<usize>> = Vec::with_capacity(tree.len() + 1);
+        own.push(Some(0));
+        for (i, &token) in tree.tokens().iter().enumerate() {
+            let parent = match tree.parents()[i] {
+                None => Some(None),
+                Some(p) => own[p + 1].map(|row| Some(row - 1)),
+            };
+            own.push(
+                parent
+                    .and_then(|p| self.tree.child(p, token))
+                    .map(|node| node + 1),
+            );
+        }
+        own
+    }
+}
+
 /// A candidate node of the best-first search: its parent in the tree and what is offered.
 type Candidate = Likely<(Option<usize>, Offer)>;
 
@@ -204,6 +229,9 @@ pub struct OptTree {
     lookup: ContextLookup,
     rates: EdgeRates,
     last: Option<Proposal>,
+    /// Whether this round's rates were learnt from its draws ([`Drafter::drawn`], sampling):
+    /// then [`Drafter::verified`] records nothing.
+    learnt_from_draws: bool,
     /// Round times by rows, when trees are sized by them ([`OptTree::timed`]).
     cost: Option<RoundCost>,
     /// A lookahead head's nodes below the next root ([`Drafter::suggest`]).
@@ -221,6 +249,7 @@ impl OptTree {
             lookup: ContextLookup::new(3, 1, lookup_len, 1),
             rates: EdgeRates::new(),
             last: None,
+            learnt_from_draws: false,
             cost: None,
             suggested: Vec::new(),
             store: None,
@@ -442,20 +471,10 @@ impl Drafter for OptTree {
         let Some(last) = self.last.take() else {
             return;
         };
-        // The proposal's row for each verified row, matched by path.
-        let mut own: Vec<Option<usize>> = Vec::with_capacity(tree.len() + 1);
-        own.push(Some(0));
-        for (i, &token) in tree.tokens().iter().enumerate() {
-            let parent = match tree.parents()[i] {
-                None => Some(None),
-                Some(p) => own[p + 1].map(|row| Some(row - 1)),
-            };
-            own.push(
-                parent
-                    .and_then(|p| last.tree.child(p, token))
-                    .map(|node| node + 1),
-            );
+        if std::mem::take(&mut self.learnt_from_draws) {
+            return;
         }
+        let own = last.rows_of(tree);
         // Edges count after rows the target reached: the root and the nodes whose whole path
         // it confirmed (what follows a rejected node is not what a path probability needs).
         let mut reached = vec![false; tree.len() + 1];
@@ -469,9 +488,29 @@ impl Drafter for OptTree {
                 continue;
             };
             for &(token, edge, _, _) in &last.offered[*mine] {
-                self.rates.record(edge, token == choice);
+                self.rates
+                    .record(edge, f64::from(u8::from(token == choice)));
             }
         }
+    }
+
+    /// The rows the target drew from are the ones it reached; each candidate offered after
+    /// one counts as accepted with its probability in that draw's distribution.
+    fn drawn(&mut self, tree: &DraftTree, rows: &[usize], distributions: &[Vec<f32>]) {
+        let Some(last) = &self.last else {
+            return;
+        };
+        let own = last.rows_of(tree);
+        for (&row, distribution) in rows.iter().zip(distributions) {
+            let Some(Some(mine)) = own.get(row) else {
+                continue;
+            };
+            for &(token, edge, _, _) in &last.offered[*mine] {
+                let p = distribution.get(token as usize).copied().unwrap_or(0.0);
+                self.rates.record(edge, f64::from(p));
+            }
+        }
+        self.learnt_from_draws = true;
     }
 }
 
@@ -578,6 +617,38 @@ mod tests {
         // Verifying a tree that is not (all) the proposal's is harmless.
         d.verified(&DraftTree::chain(&[5, 5, 5]), &[0, 0, 0, 0]);
         d.verified(&DraftTree::new(), &[]);
+    }
+
+    /// When sampling, a candidate counts as accepted with its probability in each reached row's
+    /// draw (not as the argmax's 1 or 0): a rank-0 candidate the target always ranks first but
+    /// draws a quarter of the time is rated near 0.25, where argmax verification rates it near
+    /// 1; rows the draws did not reach teach nothing, and `verified` adds nothing after `drawn`.
+    #[test]
+    fn sampled_rounds_rate_candidates_by_their_probability() {
+        let mut greedy = OptTree::new(32, 4, 8);
+        greedy.observe(1, &[2, 5], &[10.0, 4.0]);
+        greedy.observe(2, &[3, 4], &[10.0, 7.5]);
+        let mut sampled = greedy.clone();
+        let mut quarter = vec![0f32; 32];
+        (quarter[2], quarter[5], quarter[9]) = (0.25, 0.25, 0.5);
+        for _ in 0..300 {
+            let tree = greedy.propose(&[9, 1], 2);
+            greedy.verified(&tree, &[2, 3, 3]);
+            let tree = sampled.propose(&[9, 1], 2);
+            assert!(tree.tokens().contains(&2), "{:?}", tree.tokens());
+            // The root's draw gave 9: the walk stopped there, node 2's row was not drawn from.
+            sampled.drawn(&tree, &[0], std::slice::from_ref(&quarter));
+            sampled.verified(&tree, &[2, 3, 3]);
+        }
+        let (g, s) = (greedy.recycled_rate(0, 6.0), sampled.recycled_rate(0, 6.0));
+        assert!(g > 0.9, "{g}");
+        assert!((s - 0.25).abs() < 0.05, "{s}");
+        // The rank-1 candidate (5, offered after the root) learnt its quarter too.
+        assert!((sampled.recycled_rate(1, 6.0) - 0.25).abs() < 0.05);
+        // Node 2's row was never drawn from: its candidate (3, gap 2.5) kept the prior.
+        let fresh = OptTree::new(32, 4, 8);
+        assert_eq!(sampled.recycled_rate(0, 2.5), fresh.recycled_rate(0, 2.5));
+        assert!(greedy.recycled_rate(0, 2.5) > fresh.recycled_rate(0, 2.5));
     }
 
     /// A timed tree keeps the whole budget while rows are cheap and shrinks when they are dear,

@@ -99,6 +99,10 @@ impl Drafter for ThompsonDrafters {
         self.arms[self.chosen].0.verified(tree, best);
     }
 
+    fn drawn(&mut self, tree: &DraftTree, rows: &[usize], distributions: &[Vec<f32>]) {
+        self.arms[self.chosen].0.drawn(tree, rows, distributions);
+    }
+
     fn emitted(&mut self, tokens: usize) {
         self.emitted = tokens;
         self.arms[self.chosen].0.emitted(tokens);
