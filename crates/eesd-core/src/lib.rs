@@ -9,6 +9,7 @@
 //!   and their fusion, verified in one pass.
 //! - [`head_eval`]: teacher-forced agreement of exit heads and the acceptance it implies.
 //! - [`sampling`]: temperature / top-k / top-p distributions and a seeded sampler.
+//! - [`math`]: a vectorisable `exp` (the sampler's and the CPU kernels').
 //! - [`backend`]: picking a burn device by name (`flex`, `tch`, `tch-cuda`, `cuda`).
 
 #![warn(missing_docs)]
@@ -21,6 +22,7 @@ pub mod error;
 pub mod generate;
 pub mod generator;
 pub mod head_eval;
+pub mod math;
 pub mod model;
 pub mod sampling;
 pub mod tree;

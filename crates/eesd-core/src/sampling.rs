@@ -8,6 +8,10 @@ use rand::{RngExt, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{CoreError, Result};
+use crate::math::{exp, sum_f64};
+
+/// Below this exponent [`exp`] saturates (at 2^−126): the distribution gives such tokens 0.
+const EXP_FLOOR: f32 = -87.3;
 
 /// How a token is chosen from logits.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -70,13 +74,15 @@ impl SamplingParams {
             return probs;
         }
         let inv_t = 1.0 / self.temperature;
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f64;
+        let max = block_max(logits);
+        // A pass the compiler vectorises (a libm `exp` per token cost ≈ 0.2 ms per draw, 6% of
+        // a decoding step); tokens far below the maximum (a −∞ logit among them) get exactly 0,
+        // where this `exp` would saturate at 2^−126.
         for (p, &l) in probs.iter_mut().zip(logits) {
-            let e = ((l - max) * inv_t).exp();
-            *p = e;
-            sum += e as f64;
+            let x = (l - max) * inv_t;
+            *p = if x < EXP_FLOOR { 0.0 } else { exp(x) };
         }
+        let mut sum = sum_f64(&probs);
         let restrict = self.top_k > 0 && self.top_k < logits.len() || self.top_p < 1.0;
         if restrict {
             let k = if self.top_k == 0 {
@@ -119,7 +125,14 @@ fn nucleus(probs: &[f32], k: usize, mass: f64) -> (Vec<usize>, usize) {
         let mut order: Vec<usize> = (0..probs.len())
             .filter(|&i| probs[i] >= threshold)
             .collect();
-        order.sort_unstable_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+        // One strict order (ties by id), so the first k after a selection are the first k of a
+        // full sort; only they can be kept, so a top-k ranks k tokens, not every candidate.
+        let rank = |&a: &usize, &b: &usize| probs[b].total_cmp(&probs[a]).then(a.cmp(&b));
+        if order.len() > k {
+            order.select_nth_unstable_by(k - 1, rank);
+            order.truncate(k);
+        }
+        order.sort_unstable_by(rank);
         let mut kept = 0f64;
         for (rank, &i) in order.iter().enumerate().take(k) {
             kept += probs[i] as f64;
@@ -201,7 +214,7 @@ impl Sampler {
 
     /// Draws an index from a distribution (weights need not be normalised).
     pub fn categorical(&mut self, weights: &[f32]) -> usize {
-        let total: f64 = weights.iter().map(|&w| w as f64).sum();
+        let total = sum_f64(weights);
         let mut u = self.rng.random::<f64>() * total;
         let mut last_positive = 0;
         for (i, &w) in weights.iter().enumerate() {
@@ -251,8 +264,15 @@ pub(crate) mod tests {
     fn restricted_reference(params: &SamplingParams, logits: &[f32]) -> Vec<f32> {
         let inv_t = 1.0 / params.temperature;
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut probs: Vec<f32> = logits.iter().map(|&l| ((l - max) * inv_t).exp()).collect();
-        let mut sum: f64 = probs.iter().map(|&p| p as f64).sum();
+        // The same exponentials and total as `distribution` (what differs is the ranking).
+        let mut probs: Vec<f32> = logits
+            .iter()
+            .map(|&l| match (l - max) * inv_t {
+                x if x < EXP_FLOOR => 0.0,
+                x => exp(x),
+            })
+            .collect();
+        let mut sum = sum_f64(&probs);
         let restrict = params.top_k > 0 && params.top_k < logits.len() || params.top_p < 1.0;
         if !restrict {
             let inv = (1.0 / sum) as f32;
