@@ -17,13 +17,15 @@ use clap::Parser;
 use eesd::bandit::Policy;
 use eesd::core::Drafter;
 use eesd::core::drafters::{DrafterSpec, HeadDrafter};
-use eesd::core::{Backend, GenerationConfig, GenerationOutput, Generator, Mode, SamplingParams};
+use eesd::core::{Backend, GenerationConfig, GenerationOutput, Generator, Mode};
 use eesd::models::{AnyHead, LoadOptions, LoadedModel, NormHead, TextStream, WeightDType, fetch};
 
 #[path = "common/heads.rs"]
 mod heads;
 #[path = "common/ngrams.rs"]
 mod ngrams;
+#[path = "common/sampling.rs"]
+mod sampling;
 use eesd::models::{
     SavedDrafterState, file_sha256, load_layer_head, load_lookahead_head, read_drafter_state,
     read_metadata, write_drafter_state,
@@ -91,18 +93,8 @@ struct Args {
     /// Maximum number of new tokens.
     #[arg(long, default_value_t = 128)]
     max_new_tokens: usize,
-    /// Sampling temperature (0 = greedy).
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    /// Nucleus sampling threshold.
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    /// Top-k sampling (0 = off).
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
-    /// Sampling seed.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    #[command(flatten)]
+    sampling: sampling::SamplingArgs,
     /// Context length to allocate (default: the model's).
     #[arg(long)]
     context: Option<usize>,
@@ -164,7 +156,7 @@ fn main() -> Result<()> {
             args.exit_layer,
         )
     };
-    let policy = Policy::parse(&args.policy, args.seed)?;
+    let policy = Policy::parse(&args.policy, args.sampling.seed)?;
 
     let prompt_ids = match (&args.prompt_ids, &args.prompt) {
         (Some(ids), _) => ids.clone(),
@@ -224,12 +216,8 @@ fn main() -> Result<()> {
         let config = GenerationConfig {
             max_new_tokens: args.max_new_tokens,
             stop_tokens: lm.tokenizer.eos_token_id().into_iter().collect(),
-            sampling: SamplingParams {
-                temperature: args.temperature,
-                top_k: args.top_k,
-                top_p: args.top_p,
-            },
-            seed: args.seed,
+            sampling: args.sampling.params()?,
+            seed: args.sampling.seed,
             mode,
             exit_layer,
             tree_budget: args.drafter.budget,
@@ -302,7 +290,7 @@ fn main() -> Result<()> {
                 for (mode, speedup, identical) in versus {
                     // Seeded alike, sampled trees draw AR's very tokens; EESD chains draw
                     // differently from the same distribution (speculative sampling).
-                    let note = match (args.temperature > 0.0, mode) {
+                    let note = match (args.sampling.temperature > 0.0, mode) {
                         (true, Mode::Eesd) => {
                             " (sampled: EESD keeps AR's distribution, not its draws)"
                         }

@@ -38,6 +38,8 @@ mod plots;
 mod prompts;
 #[path = "../common/questions.rs"]
 mod questions;
+#[path = "../common/sampling.rs"]
+mod sampling;
 
 use std::collections::BTreeMap;
 use std::ops::ControlFlow;
@@ -48,7 +50,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use eesd::bandit::Policy;
 use eesd::core::drafters::{DrafterSpec, HeadDrafter};
-use eesd::core::{GenerationConfig, GenerationOutput, Generator, Mode, SamplingParams};
+use eesd::core::{GenerationConfig, GenerationOutput, Generator, Mode};
 use eesd::models::{AnyHead, LayerHead, Llama, LoadedModel, NormHead};
 use eesd::models::{load_layer_head, load_lookahead_head};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -98,18 +100,10 @@ struct Args {
     /// `+ngrams` methods draft from.
     #[arg(long)]
     ngrams: Option<PathBuf>,
-    /// Sampling temperature (0: greedy).
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    /// Nucleus sampling threshold (with `--temperature`).
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    /// Top-k sampling, 0 = off (with `--temperature`).
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
-    /// Seed of every sampler (each method and AR draw with it on every question).
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// Sampling (greedy unless `--temperature`); AR and every method draw with `--seed` on
+    /// every question.
+    #[command(flatten)]
+    sampling: sampling::SamplingArgs,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -325,12 +319,7 @@ impl Totals {
 fn main() -> Result<()> {
     let args = Args::parse();
     let questions = questions::load(&args.questions, args.per_category, &args.categories)?;
-    let sampling = SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-    };
-    sampling.validate()?;
+    let sampling = args.sampling.params()?;
     let greedy = sampling.is_greedy();
     let (lm, path, sha) = args.model.load()?;
     let methods: Vec<Method> = args
@@ -429,7 +418,7 @@ fn main() -> Result<()> {
             max_new_tokens: args.max_new_tokens,
             stop_tokens: eos.clone(),
             sampling,
-            seed: args.seed,
+            seed: args.sampling.seed,
             ..Default::default()
         };
         bar.set_message(format!("q{} {} ar", q.question_id, q.category));
@@ -523,7 +512,7 @@ fn main() -> Result<()> {
     };
     let report = serde_json::json!({
         "model": path.display().to_string(), "device": args.model.device.name(), "dtype": args.model.dtype.name(),
-        "questions": questions.len(), "sampling": sampling, "seed": args.seed,
+        "questions": questions.len(), "sampling": sampling, "seed": args.sampling.seed,
         "max_new_tokens": args.max_new_tokens, "overall": overall, "methods": per_method,
     });
 
@@ -571,7 +560,7 @@ fn main() -> Result<()> {
         if !greedy {
             println!(
                 "sampled (temperature {}, top-p {}, top-k {}, seed {}): tree methods must draw AR's tokens; EESD chains keep AR's distribution, not its draws (-)",
-                args.temperature, args.top_p, args.top_k, args.seed
+                sampling.temperature, sampling.top_p, sampling.top_k, args.sampling.seed
             );
         }
     }

@@ -333,10 +333,16 @@ fn greedy_trees_with_a_lookahead_head_equal_ar() {
 /// States (as host rows) and next tokens shown to a drafter, in order.
 type Shown = std::rc::Rc<std::cell::RefCell<(Vec<Vec<f32>>, Vec<u32>)>>;
 
-/// A feature-reading drafter that records what it was shown.
+/// Each sampled round's draws, as a drafter is shown them: the tree, the rows drawn from and
+/// their distributions.
+type Draws = std::rc::Rc<std::cell::RefCell<Vec<(DraftTree, Vec<usize>, Vec<Vec<f32>>)>>>;
+
+/// A drafter that records the states ([`Drafter::features`]) and the draws
+/// ([`Drafter::drawn`]) it was shown.
 struct Recorder<D> {
     inner: D,
     seen: Shown,
+    draws: Draws,
 }
 
 impl<D: Drafter> Drafter for Recorder<D> {
@@ -354,6 +360,11 @@ impl<D: Drafter> Drafter for Recorder<D> {
     }
     fn verified(&mut self, tree: &DraftTree, best: &[u32]) {
         self.inner.verified(tree, best)
+    }
+    fn drawn(&mut self, tree: &DraftTree, rows: &[usize], distributions: &[Vec<f32>]) {
+        let round = (tree.clone(), rows.to_vec(), distributions.to_vec());
+        self.draws.borrow_mut().push(round);
+        self.inner.drawn(tree, rows, distributions)
     }
     fn feature_layer(&self) -> Option<usize> {
         self.inner.feature_layer()
@@ -390,6 +401,7 @@ fn a_lookahead_head_sees_every_committed_position_once_in_order() {
                 "opt@8".parse::<DrafterSpec>().unwrap().build(vocab),
             ),
             seen: std::rc::Rc::clone(&seen),
+            draws: Draws::default(),
         };
         let config = GenerationConfig {
             mode: Mode::Tree,
@@ -414,39 +426,6 @@ fn a_lookahead_head_sees_every_committed_position_once_in_order() {
     }
 }
 
-/// Each sampled round's draws, as a drafter is shown them: the tree, the rows drawn from and
-/// their distributions.
-type Draws = std::rc::Rc<std::cell::RefCell<Vec<(DraftTree, Vec<usize>, Vec<Vec<f32>>)>>>;
-
-/// A drafter that records what [`Drafter::drawn`] shows it.
-struct DrawRecorder<D> {
-    inner: D,
-    draws: Draws,
-}
-
-impl<D: Drafter> Drafter for DrawRecorder<D> {
-    fn name(&self) -> String {
-        self.inner.name()
-    }
-    fn propose(&mut self, context: &[u32], budget: usize) -> DraftTree {
-        self.inner.propose(context, budget)
-    }
-    fn candidates_wanted(&self) -> usize {
-        self.inner.candidates_wanted()
-    }
-    fn observe(&mut self, token: u32, candidates: &[u32], logits: &[f32]) {
-        self.inner.observe(token, candidates, logits)
-    }
-    fn verified(&mut self, tree: &DraftTree, best: &[u32]) {
-        self.inner.verified(tree, best)
-    }
-    fn drawn(&mut self, tree: &DraftTree, rows: &[usize], distributions: &[Vec<f32>]) {
-        let round = (tree.clone(), rows.to_vec(), distributions.to_vec());
-        self.draws.borrow_mut().push(round);
-        self.inner.drawn(tree, rows, distributions)
-    }
-}
-
 /// When sampling, the drafter is shown every draw of a round: the root's row, then the row of
 /// each node the draws accepted (a path, each node carrying the token drawn at the row before
 /// it, which its distribution allows), each with a distribution over the vocabulary; one draw
@@ -457,8 +436,9 @@ fn sampled_rounds_show_the_drafter_each_draw() {
     let vocab = model.config().vocab_size;
     for temperature in [0.0, 1.2] {
         let draws = Draws::default();
-        let recorder = DrawRecorder {
+        let recorder = Recorder {
             inner: "opt@12".parse::<DrafterSpec>().unwrap().build(vocab),
+            seen: Shown::default(),
             draws: std::rc::Rc::clone(&draws),
         };
         let config = GenerationConfig {
