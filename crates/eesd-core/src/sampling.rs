@@ -107,7 +107,8 @@ impl SamplingParams {
 }
 
 /// The tokens top-k / top-p keep: the most probable first (ties by id), as many as reach `mass`
-/// of (unnormalised) probability, at most `k`. Returns the ranked tokens and how many are kept.
+/// of (unnormalised) probability, at most `k`. Returns the ranked tokens (the best of them at
+/// least: at most `k` are ranked) and how many are kept.
 ///
 /// Ranking the whole vocabulary costs ≈ 2 ms for 49,152 tokens, half a decoding step of
 /// SmolLM2-135M on two cores, while the nucleus is usually a few hundred tokens. So only the
