@@ -228,10 +228,9 @@ pub struct OptTree {
     recycling: TokenRecycling,
     lookup: ContextLookup,
     rates: EdgeRates,
+    /// The last proposal, until a round's rates learn from it ([`Drafter::drawn`] when
+    /// sampling, else [`Drafter::verified`]), which takes it.
     last: Option<Proposal>,
-    /// Whether this round's rates were learnt from its draws ([`Drafter::drawn`], sampling):
-    /// then [`Drafter::verified`] records nothing.
-    learnt_from_draws: bool,
     /// Round times by rows, when trees are sized by them ([`OptTree::timed`]).
     cost: Option<RoundCost>,
     /// A lookahead head's nodes below the next root ([`Drafter::suggest`]).
@@ -249,7 +248,6 @@ impl OptTree {
             lookup: ContextLookup::new(3, 1, lookup_len, 1),
             rates: EdgeRates::new(),
             last: None,
-            learnt_from_draws: false,
             cost: None,
             suggested: Vec::new(),
             store: None,
@@ -468,12 +466,10 @@ impl Drafter for OptTree {
     }
 
     fn verified(&mut self, tree: &DraftTree, best: &[u32]) {
+        // After `drawn` (sampling) the proposal is gone: the round has taught the rates.
         let Some(last) = self.last.take() else {
             return;
         };
-        if std::mem::take(&mut self.learnt_from_draws) {
-            return;
-        }
         let own = last.rows_of(tree);
         // Edges count after rows the target reached: the root and the nodes whose whole path
         // it confirmed (what follows a rejected node is not what a path probability needs).
@@ -497,7 +493,7 @@ impl Drafter for OptTree {
     /// The rows the target drew from are the ones it reached; each candidate offered after
     /// one counts as accepted with its probability in that draw's distribution.
     fn drawn(&mut self, tree: &DraftTree, rows: &[usize], distributions: &[Vec<f32>]) {
-        let Some(last) = &self.last else {
+        let Some(last) = self.last.take() else {
             return;
         };
         let own = last.rows_of(tree);
@@ -510,7 +506,6 @@ impl Drafter for OptTree {
                 self.rates.record(edge, f64::from(p));
             }
         }
-        self.learnt_from_draws = true;
     }
 }
 
