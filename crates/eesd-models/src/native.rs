@@ -83,8 +83,7 @@ pub fn quant_linear(x: &Tensor<2>, w: &QuantMatrix) -> Option<Tensor<2>> {
             return None;
         }
         let flex = crate::cpu::flex_f32(x)?;
-        let mut y = vec![0f32; b * w.out()];
-        w.matmul(flex.as_slice::<f32>()?, &mut y).ok()?;
+        let y = w.product(flex.as_slice::<f32>()?).ok()?;
         Some(Tensor::from_data(
             TensorData::new(y, [b, w.out()]),
             &x.device(),

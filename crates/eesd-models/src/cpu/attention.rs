@@ -139,14 +139,21 @@ impl<E: WeightElement> KvStore<E> {
     /// [`KvStore::capacity`].
     pub fn write(&mut self, pos: usize, k: &[f32], v: &[f32]) {
         let d = self.d;
+        // A head's values, then its keys, converted as slices ([`to_stored_slice`]).
+        let mut head = [E::default(); STAGED];
         for h in 0..self.kv_heads {
             let at = self.value_at(h, pos);
-            for (stored, &value) in self.v[at..at + d].iter_mut().zip(&v[h * d..(h + 1) * d]) {
-                *stored = to_stored(value);
-            }
-            for (c, &value) in k[h * d..(h + 1) * d].iter().enumerate() {
-                let at = self.key_at(h, pos, c);
-                self.k[at] = to_stored(value);
+            to_stored_slice(&v[h * d..(h + 1) * d], &mut self.v[at..at + d]);
+            for (keys, from) in k[h * d..(h + 1) * d]
+                .chunks(STAGED)
+                .zip((0..d).step_by(STAGED))
+            {
+                let staged = &mut head[..keys.len()];
+                to_stored_slice(keys, staged);
+                for (c, &value) in (from..).zip(staged.iter()) {
+                    let at = self.key_at(h, pos, c);
+                    self.k[at] = value;
+                }
             }
         }
     }
@@ -197,13 +204,26 @@ impl<E: WeightElement> KvStore<E> {
     }
 }
 
-/// `value` as a stored element: rounded to nearest and, in f16, held to its largest finite
-/// value (±65,504) rather than overflowing to infinity, which would make a softmax NaN.
-#[inline(always)]
-fn to_stored<E: WeightElement>(value: f32) -> E {
+/// Values per slice conversion of [`to_stored_slice`] on the stack (a head of SmolLM2: 64).
+const STAGED: usize = 128;
+
+/// `values` as stored elements into `out` (equal lengths): rounded to nearest and, in f16, held
+/// to its largest finite value (±65,504) rather than overflowing to infinity, which would make
+/// a softmax NaN. Converted as slices ([`WeightElement::from_f32_slice`]: F16C where present),
+/// not one call per value.
+fn to_stored_slice<E: WeightElement>(values: &[f32], out: &mut [E]) {
     match E::KIND {
-        Kind::F16 => E::from_f32(value.clamp(-65_504.0, 65_504.0)),
-        _ => E::from_f32(value),
+        Kind::F16 => {
+            let mut held = [0f32; STAGED];
+            for (values, out) in values.chunks(STAGED).zip(out.chunks_mut(STAGED)) {
+                let held = &mut held[..values.len()];
+                for (h, &v) in held.iter_mut().zip(values) {
+                    *h = v.clamp(-65_504.0, 65_504.0);
+                }
+                E::from_f32_slice(held, out);
+            }
+        }
+        _ => E::from_f32_slice(values, out),
     }
 }
 

@@ -297,11 +297,16 @@ fn run(
         for s in seqs.iter_mut() {
             let past = s.cache.as_ref().map_or(0, |c| c.len());
             let n = s.rows.len();
-            for (i, r) in s.rows.clone().enumerate() {
-                let pos = past + s.tree.map_or(i, |t| t.depths()[i]);
-                let (cos, sin) = (&cos[pos * d..(pos + 1) * d], &sin[pos * d..(pos + 1) * d]);
-                rope(&mut qkv[r * qkv_w..r * qkv_w + (nh + nkv) * d], d, cos, sin);
-            }
+            let rows = &mut qkv[s.rows.start * qkv_w..s.rows.end * qkv_w];
+            let tree = s.tree;
+            pool.for_each_chunk(rows, per_task * qkv_w, &|c, rows| {
+                for (j, row) in rows.chunks_exact_mut(qkv_w).enumerate() {
+                    let i = c * per_task + j;
+                    let pos = past + tree.map_or(i, |t| t.depths()[i]);
+                    let (cos, sin) = (&cos[pos * d..(pos + 1) * d], &sin[pos * d..(pos + 1) * d]);
+                    rope(&mut row[..(nh + nkv) * d], d, cos, sin);
+                }
+            });
             let dtype = layer.kv_dtype();
             let mut local = HostKv::new(dtype, nkv, d);
             let kv = match s.cache.as_deref_mut() {
@@ -328,7 +333,18 @@ fn run(
             }
         }
         let projected = sized(projected, t * h);
-        product(&w.wo, attended, None, projected)?;
+        // The attended rows quantized in parallel where the output projection reads 8 bits.
+        let quantized = w.wo.quantized();
+        if quantized {
+            let q8 = acts.writer(t, nh * d);
+            pool.run(t.div_ceil(per_task), &|c| {
+                for r in c * per_task..((c + 1) * per_task).min(t) {
+                    // SAFETY: row `r` is this task's alone, below `t`.
+                    unsafe { q8.row(r, &attended[r * nh * d..(r + 1) * nh * d]) };
+                }
+            });
+        }
+        product(&w.wo, attended, quantized.then_some(&*acts), projected)?;
         x.iter_mut()
             .zip(projected.iter())
             .for_each(|(a, b)| *a += b);

@@ -40,6 +40,13 @@ pub trait WeightElement:
     fn to_f32(self) -> f32;
     /// The nearest value to `v` (round to nearest even).
     fn from_f32(v: f32) -> Self;
+    /// `dst[i] = from_f32(src[i])` (equal lengths), with the CPU's conversion instructions
+    /// where it has them: the same values, without a call per element.
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = Self::from_f32(s);
+        }
+    }
 }
 
 pub(crate) mod sealed {
@@ -83,6 +90,10 @@ impl WeightElement for f16 {
     fn from_f32(v: f32) -> Self {
         f16::from_f32(v)
     }
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
+        use half::slice::HalfFloatSliceExt;
+        dst.convert_from_f32_slice(src);
+    }
 }
 
 impl WeightElement for bf16 {
@@ -92,6 +103,10 @@ impl WeightElement for bf16 {
     }
     fn from_f32(v: f32) -> Self {
         bf16::from_f32(v)
+    }
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
+        use half::slice::HalfFloatSliceExt;
+        dst.convert_from_f32_slice(src);
     }
 }
 

@@ -115,14 +115,18 @@ impl RowWriter<'_> {
             let q = std::slice::from_raw_parts_mut(self.q.ptr().add(r * k), k);
             let d = std::slice::from_raw_parts_mut(self.d.ptr().add(r * subs), subs);
             quantize_row(x, q, d);
-            for s in 0..subs {
-                let codes = &q[s * SUB..][..SUB];
-                let sum = |q: &[i8]| q.iter().map(|&v| v as i32).sum::<i32>();
-                let (a, c) = (sum(&codes[..16]), sum(&codes[16..]));
-                *self.int_sum.ptr().add(s * stride + r) = a + c;
-                *self.sum.ptr().add(s * stride + r) = d[s] * (a + c) as f32;
-                *self.half_bias.ptr().add(2 * s * stride + r) = -32 * a;
-                *self.half_bias.ptr().add((2 * s + 1) * stride + r) = -32 * c;
+            // The exact sums of each half sub-block, a stack buffer's worth at a time.
+            let mut halves = [0i32; 2 * SUMMED];
+            for first in (0..subs).step_by(SUMMED) {
+                let n = SUMMED.min(subs - first);
+                half_sums(&q[first * SUB..(first + n) * SUB], &mut halves[..2 * n]);
+                for (s, pair) in (first..).zip(halves[..2 * n].chunks_exact(2)) {
+                    let (a, c) = (pair[0], pair[1]);
+                    *self.int_sum.ptr().add(s * stride + r) = a + c;
+                    *self.sum.ptr().add(s * stride + r) = d[s] * (a + c) as f32;
+                    *self.half_bias.ptr().add(2 * s * stride + r) = -32 * a;
+                    *self.half_bias.ptr().add((2 * s + 1) * stride + r) = -32 * c;
+                }
             }
         }
     }
@@ -158,9 +162,92 @@ simd_fn! {
     }
 }
 
+/// Sub-blocks per call of [`half_sums`] in [`RowWriter::row`].
+const SUMMED: usize = 64;
+
+/// `sums[i]` = the sum of codes `16·i..16·i + 16` (exact in i32; `q` holds whole sub-blocks).
+fn half_sums(q: &[i8], sums: &mut [i32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::Isa::detect() != super::Isa::Portable {
+        // SAFETY: `detect` reports AVX2 only when the CPU has it.
+        unsafe { half_sums_avx2(q, sums) };
+        return;
+    }
+    for (codes, sum) in q.chunks_exact(SUB / 2).zip(sums.iter_mut()) {
+        *sum = codes.iter().map(|&v| v as i32).sum();
+    }
+}
+
+/// [`half_sums`] with AVX2: per sub-block, `maddubs` by ones sums byte pairs, `madd` by ones
+/// sums fours, two horizontal adds leave each half's sum in its 128-bit lane (all exact).
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn half_sums_avx2(q: &[i8], sums: &mut [i32]) {
+    use std::arch::x86_64::*;
+    let ones8 = _mm256_set1_epi8(1);
+    let ones16 = _mm256_set1_epi16(1);
+    for (codes, pair) in q.chunks_exact(SUB).zip(sums.chunks_exact_mut(2)) {
+        // SAFETY: `codes` holds 32 bytes.
+        let v = unsafe { _mm256_loadu_si256(codes.as_ptr().cast()) };
+        let fours = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, v), ones16);
+        let twos = _mm256_hadd_epi32(fours, fours);
+        let ones = _mm256_hadd_epi32(twos, twos);
+        pair[0] = _mm256_cvtsi256_si32(ones);
+        pair[1] = _mm256_extract_epi32::<4>(ones);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn half_sums_are_exact() {
+        // Extremes and a spread of codes, 5 sub-blocks.
+        let q: Vec<i8> = (0..5 * SUB)
+            .map(|i| match i % 7 {
+                0 => 127,
+                1 => -127,
+                _ => ((i * 53) % 255) as i32 as i8,
+            })
+            .collect();
+        let mut got = vec![0i32; 10];
+        half_sums(&q, &mut got);
+        let want: Vec<i32> = q
+            .chunks_exact(16)
+            .map(|c| c.iter().map(|&v| v as i32).sum())
+            .collect();
+        assert_eq!(got, want);
+        for v in [127, -127, -128] {
+            let mut s = [0; 2];
+            half_sums(&[v; SUB], &mut s);
+            assert_eq!(s, [16 * v as i32; 2]);
+        }
+    }
+
+    /// Rows longer than one stack buffer of sums keep exact sums.
+    #[test]
+    fn sums_of_long_rows_are_exact() {
+        let k = 70 * SUB;
+        let x: Vec<f32> = (0..k).map(|i| ((i * 53) % 255) as f32 - 127.0).collect();
+        let mut rows = Q8Rows::default();
+        rows.quantize_into(&x, k);
+        for s in 0..70 {
+            let codes = &rows.q[s * SUB..(s + 1) * SUB];
+            let half =
+                |h: usize| -> i32 { codes[h * 16..h * 16 + 16].iter().map(|&v| v as i32).sum() };
+            assert_eq!(
+                rows.int_sum[s * rows.stride],
+                half(0) + half(1),
+                "sub-block {s}"
+            );
+            assert_eq!(rows.half_bias[2 * s * rows.stride], -32 * half(0));
+            assert_eq!(rows.half_bias[(2 * s + 1) * rows.stride], -32 * half(1));
+        }
+    }
 
     #[test]
     fn codes_reconstruct_the_rows() {

@@ -227,9 +227,39 @@ impl QuantMatrix {
         }
         ACTS.with_borrow_mut(|acts| {
             acts.quantize_into(x, k);
-            self.matmul_q8(isa, pool, acts, y);
+            // SAFETY: `y` holds `b · out` values (checked above).
+            unsafe { self.matmul_q8(isa, pool, acts, y.as_mut_ptr()) };
         });
         Ok(())
+    }
+
+    /// `x · wᵀ` as a new `[b, out]` buffer, written once by the kernel and never zero-filled
+    /// first (an LM head's logits are ≈ 200 KB per row).
+    pub fn product(&self, x: &[f32]) -> Result<Vec<f32>, ShapeError> {
+        let k = self.k;
+        let b = x.len() / k.max(1);
+        let bad = ShapeError::Operands {
+            x: x.len(),
+            y: 0,
+            out: self.out,
+            k,
+        };
+        let len = b.checked_mul(self.out).ok_or(bad.clone())?;
+        if !x.len().is_multiple_of(k) {
+            return Err(bad);
+        }
+        let mut y = Vec::with_capacity(len);
+        if b > 0 {
+            ACTS.with_borrow_mut(|acts| {
+                acts.quantize_into(x, k);
+                // SAFETY: `y` has room for `b · out` values, all of which the product writes.
+                unsafe { self.matmul_q8(Isa::detect(), Pool::global(), acts, y.as_mut_ptr()) };
+            });
+        }
+        // SAFETY: the product wrote every one of the `len` values (each unit stores all of its
+        // valid columns for every row).
+        unsafe { y.set_len(len) };
+        Ok(y)
     }
 
     /// `y = x · wᵀ` for rows already quantized into `acts` (by [`Q8Rows::quantize_into`] or
@@ -245,15 +275,21 @@ impl QuantMatrix {
             });
         }
         if acts.rows > 0 {
-            self.matmul_q8(Isa::detect(), Pool::global(), acts, y);
+            // SAFETY: `y` holds `rows · out` values (checked above).
+            unsafe { self.matmul_q8(Isa::detect(), Pool::global(), acts, y.as_mut_ptr()) };
         }
         Ok(())
     }
 
-    /// The product with already quantized rows (`acts.k() == self.k()`, `y: [rows, out]`).
-    fn matmul_q8(&self, isa: Isa, pool: &Pool, acts: &Q8Rows, y: &mut [f32]) {
+    /// The product with already quantized rows (`acts.k() == self.k()`) into `y: [rows, out]`,
+    /// every value of which it writes.
+    ///
+    /// # Safety
+    /// `y` is valid for writes of `acts.rows · self.out` floats, and nothing else accesses
+    /// them during the call.
+    unsafe fn matmul_q8(&self, isa: Isa, pool: &Pool, acts: &Q8Rows, y: *mut f32) {
         let isa = isa.supported();
-        let y_ptr = super::pool::Disjoint(y.as_mut_ptr());
+        let y_ptr = super::pool::Disjoint(y);
         // Units of 8 or 16 output rows inside one part ([`unit_rows`]), in shrinking
         // ranges ([`super::pool::Guided`]): the threads finish together.
         let units: usize = self
@@ -373,8 +409,15 @@ unsafe fn store_tile<const N: usize>(
 ) {
     for (i, values) in tile.iter().enumerate() {
         // SAFETY: row `j + i` of `y` has `out` columns from `o` on, `valid` of them ours.
-        let dst = unsafe { std::slice::from_raw_parts_mut(y.add((j + i) * out + o), valid) };
-        dst.copy_from_slice(&values[..valid]);
+        let dst = unsafe { y.add((j + i) * out + o) };
+        if valid == N {
+            // A whole tile row: a copy of known length, inlined (not a `memmove` call per row).
+            // SAFETY: as above, with `valid == N`.
+            unsafe { dst.cast::<[f32; N]>().write_unaligned(*values) };
+        } else {
+            // SAFETY: as above.
+            unsafe { std::slice::from_raw_parts_mut(dst, valid) }.copy_from_slice(&values[..valid]);
+        }
     }
 }
 
@@ -515,6 +558,27 @@ mod tests {
             assert_eq!([yp[j * 2], yp[j * 2 + 1]], [y[j * 5 + 4], y[j * 5]]);
         }
         assert!(m.select_rows(&[5]).is_err());
+    }
+
+    /// `product` gives `matmul`'s values in a buffer of its own, every one written.
+    #[test]
+    fn product_equals_matmul() {
+        let (k, out) = (64, 21);
+        let m = QuantMatrix::new(
+            QuantFormat::Q4_1,
+            blocks(QuantFormat::Q4_1, out * 2, 9),
+            out,
+            k,
+        )
+        .unwrap();
+        for b in [0, 1, 3, 9] {
+            let x = values(b * k, 5 + b as u32);
+            let got = m.product(&x).unwrap();
+            let mut want = vec![f32::NAN; b * out];
+            m.matmul(&x, &mut want).unwrap();
+            assert!(same_bits(&got, &want), "b={b}");
+        }
+        assert!(m.product(&[0.0; 65]).is_err());
     }
 
     #[test]

@@ -88,12 +88,17 @@ simd_fn! {
     /// duplicated), rotate-half convention: `x·cos + [−x₂, x₁]·sin`.
     pub fn rope(row: &mut [f32], d: usize, cos: &[f32], sin: &[f32]) {
         let half = d / 2;
+        // Zipped slices (no index checks in the loop), so that it vectorises.
+        let (cos1, cos2) = cos[..d].split_at(half);
+        let (sin1, sin2) = sin[..d].split_at(half);
         for head in row.chunks_exact_mut(d) {
             let (x1, x2) = head.split_at_mut(half);
-            for i in 0..half {
-                let (a, b) = (x1[i], x2[i]);
-                x1[i] = a * cos[i] + (-b) * sin[i];
-                x2[i] = b * cos[half + i] + a * sin[half + i];
+            let pairs = x1.iter_mut().zip(x2.iter_mut());
+            let tables = cos1.iter().zip(sin1).zip(cos2.iter().zip(sin2));
+            for ((x1, x2), ((&c1, &s1), (&c2, &s2))) in pairs.zip(tables) {
+                let (a, b) = (*x1, *x2);
+                *x1 = a * c1 + (-b) * s1;
+                *x2 = b * c2 + a * s2;
             }
         }
     }
