@@ -104,10 +104,6 @@ impl WeightElement for bf16 {
     fn from_f32(v: f32) -> Self {
         bf16::from_f32(v)
     }
-    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
-        use half::slice::HalfFloatSliceExt;
-        dst.convert_from_f32_slice(src);
-    }
 }
 
 /// `N` lanes in portable Rust.

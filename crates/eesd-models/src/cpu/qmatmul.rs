@@ -222,14 +222,8 @@ impl QuantMatrix {
                 k,
             });
         }
-        if b == 0 {
-            return Ok(());
-        }
-        ACTS.with_borrow_mut(|acts| {
-            acts.quantize_into(x, k);
-            // SAFETY: `y` holds `b · out` values (checked above).
-            unsafe { self.matmul_q8(isa, pool, acts, y.as_mut_ptr()) };
-        });
+        // SAFETY: `x` holds `b` rows and `y` their `b · out` values (checked above).
+        unsafe { self.quantized_product(isa, pool, x, y.as_mut_ptr()) };
         Ok(())
     }
 
@@ -237,29 +231,40 @@ impl QuantMatrix {
     /// first (an LM head's logits are ≈ 200 KB per row).
     pub fn product(&self, x: &[f32]) -> Result<Vec<f32>, ShapeError> {
         let k = self.k;
-        let b = x.len() / k.max(1);
         let bad = ShapeError::Operands {
             x: x.len(),
             y: 0,
             out: self.out,
             k,
         };
-        let len = b.checked_mul(self.out).ok_or(bad.clone())?;
         if !x.len().is_multiple_of(k) {
             return Err(bad);
         }
+        let len = (x.len() / k).checked_mul(self.out).ok_or(bad)?;
         let mut y = Vec::with_capacity(len);
-        if b > 0 {
-            ACTS.with_borrow_mut(|acts| {
-                acts.quantize_into(x, k);
-                // SAFETY: `y` has room for `b · out` values, all of which the product writes.
-                unsafe { self.matmul_q8(Isa::detect(), Pool::global(), acts, y.as_mut_ptr()) };
-            });
-        }
+        // SAFETY: `x` holds whole rows and `y` has room for their `len` values.
+        unsafe { self.quantized_product(Isa::detect(), Pool::global(), x, y.as_mut_ptr()) };
         // SAFETY: the product wrote every one of the `len` values (each unit stores all of its
         // valid columns for every row).
         unsafe { y.set_len(len) };
         Ok(y)
+    }
+
+    /// `x` quantized per row into this thread's buffer, then multiplied into `y`
+    /// ([`QuantMatrix::matmul_q8`]); nothing for no rows.
+    ///
+    /// # Safety
+    /// `x.len()` is a multiple of `k`, and `y` is valid for writes of `x.len() / k · out`
+    /// floats that nothing else accesses during the call.
+    unsafe fn quantized_product(&self, isa: Isa, pool: &Pool, x: &[f32], y: *mut f32) {
+        if x.is_empty() {
+            return;
+        }
+        ACTS.with_borrow_mut(|acts| {
+            acts.quantize_into(x, self.k);
+            // SAFETY: as this function's.
+            unsafe { self.matmul_q8(isa, pool, acts, y) };
+        });
     }
 
     /// `y = x · wᵀ` for rows already quantized into `acts` (by [`Q8Rows::quantize_into`] or
