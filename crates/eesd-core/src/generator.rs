@@ -12,8 +12,9 @@ use crate::error::{CoreError, Result};
 use crate::generate::{
     Detokenizer, Emitter, GenerationConfig, GenerationOutput, GenerationStats, Mode, StopReason,
 };
+use crate::math::exp;
 use crate::model::{DraftHead, DraftLogits, LayeredModel};
-use crate::sampling::{Sampler, SamplingParams, argmax};
+use crate::sampling::{Sampler, SamplingParams, argmax, softmax_normaliser};
 use crate::tree::{DraftTree, TreeMask};
 
 /// The head type of a generator without an exit head (AR only). It has no values.
@@ -89,9 +90,10 @@ fn rows(data: &[f32], n: usize) -> Vec<&[f32]> {
 
 /// Softmax probability of `index` under `logits` at temperature 1 (the draft's confidence).
 fn softmax_at(logits: &[f32], index: usize) -> f32 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f32 = logits.iter().map(|l| (l - max).exp()).sum();
-    (logits[index] - max).exp() / sum
+    match softmax_normaliser(logits) {
+        Some((max, total)) => (f64::from(exp(logits[index] - max)) / total) as f32,
+        None => f32::NAN,
+    }
 }
 
 impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {

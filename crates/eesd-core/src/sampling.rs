@@ -174,6 +174,20 @@ pub fn argmax(values: &[f32]) -> usize {
     at * BLOCK + block.iter().position(|&v| v == top).unwrap_or(0)
 }
 
+/// The largest logit and the softmax's normaliser `Σ e^(l − max)` (f64), or `None` when no
+/// logit is finite from above (empty, all NaN or −∞). Draft confidences take it once per row
+/// of head logits: with the vectorisable [`exp`] it costs ≈ 5 µs for 8,192 logits, where a
+/// libm `exp` per logit cost ≈ 30–40 µs, a tenth of a lookahead head's pass. Only drafts'
+/// weights depend on it, never the output.
+pub(crate) fn softmax_normaliser(logits: &[f32]) -> Option<(f32, f64)> {
+    let max = block_max(logits);
+    if !max.is_finite() {
+        return None;
+    }
+    let exps: Vec<f32> = logits.iter().map(|&l| exp(l - max)).collect();
+    Some((max, sum_f64(&exps)))
+}
+
 /// Values per block of [`block_max`] scans.
 pub(crate) const BLOCK: usize = 256;
 
@@ -381,6 +395,28 @@ pub(crate) mod tests {
     fn argmax_matches_its_definition() {
         for row in awkward_rows() {
             assert_eq!(argmax(&row), argmax_reference(&row), "{row:?}");
+        }
+    }
+
+    #[test]
+    fn softmax_normaliser_matches_its_definition() {
+        let row: Vec<f32> = (0..8_192)
+            .map(|i| ((i * 7_919) % 1_000) as f32 / 37.0)
+            .collect();
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let want: f64 = row.iter().map(|&l| f64::from(l - max).exp()).sum();
+        let (got_max, got) = softmax_normaliser(&row).unwrap();
+        assert_eq!(got_max, max);
+        assert!((got / want - 1.0).abs() < 1e-5, "{got} vs {want}");
+        let with_holes = [f32::NEG_INFINITY, 1.0, f32::NAN, 1.0];
+        assert_eq!(softmax_normaliser(&with_holes).map(|(m, _)| m), Some(1.0));
+        for none in [
+            &[][..],
+            &[f32::NAN; 3],
+            &[f32::NEG_INFINITY; 2],
+            &[0.0, f32::INFINITY],
+        ] {
+            assert!(softmax_normaliser(none).is_none(), "{none:?}");
         }
     }
 

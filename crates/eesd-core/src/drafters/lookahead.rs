@@ -13,7 +13,9 @@ use burn::tensor::Tensor;
 use crate::drafter::{Drafter, Suggestion, top_k};
 use crate::error::{CoreError, Result};
 use crate::generator::host;
+use crate::math::exp;
 use crate::model::{LayeredModel, LookaheadHead};
+use crate::sampling::softmax_normaliser;
 use crate::tree::DraftTree;
 
 /// Children of each root the head offers.
@@ -71,16 +73,14 @@ impl<'a, M: LayeredModel, H: LookaheadHead<M>, D: Drafter> HeadDrafter<'a, M, H,
 /// The `k` most probable tokens of one row of draft logits (columns mapped to token ids when
 /// the head projects onto a subset), with their softmax probabilities.
 fn most_probable(logits: &[f32], ids: Option<&[u32]>, k: usize) -> Vec<(u32, f64)> {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    if !max.is_finite() {
+    let Some((max, total)) = softmax_normaliser(logits) else {
         return Vec::new();
-    }
-    let total: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    };
     top_k(logits, k)
         .into_iter()
         .map(|c| {
             let token = ids.map_or(c, |ids| ids[c as usize]);
-            (token, f64::from(logits[c as usize] - max).exp() / total)
+            (token, f64::from(exp(logits[c as usize] - max)) / total)
         })
         .collect()
 }
