@@ -11,6 +11,9 @@
 //! token, the roofline time `max(bytes / bandwidth, flops / FMA peak + int8 ops / int8 peak)`
 //! (int8 ops: the natively quantized matrices' products) and efficiency = roofline / measured.
 
+#[path = "common/cli.rs"]
+mod cli;
+
 use std::time::Instant;
 
 use anyhow::Result;
@@ -35,7 +38,7 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     context: usize,
     /// Repetitions per block size (the best is kept).
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, value_parser = cli::at_least_one)]
     reps: usize,
     /// Print JSON.
     #[arg(long)]

@@ -18,6 +18,8 @@
 
 #[path = "common/bench_model.rs"]
 mod bench_model;
+#[path = "common/cli.rs"]
+mod cli;
 #[path = "common/heads.rs"]
 mod heads;
 #[path = "common/plots.rs"]
@@ -47,19 +49,19 @@ struct Args {
     #[arg(long, value_delimiter = ',')]
     lookahead: Vec<String>,
     /// Levels a lookahead head drafts, each from its own state of the level before.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = cli::at_least_one)]
     levels: usize,
     /// Spec-Bench questions (jsonl with question_id, category, turns).
     #[arg(long, default_value = "../shared/data/spec_bench.jsonl")]
     questions: PathBuf,
     /// Questions per category (the first ones of each).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = cli::at_least_one)]
     per_category: usize,
     /// Only these categories, comma-separated (default: all).
     #[arg(long, value_delimiter = ',')]
     categories: Vec<String>,
     /// Length of the greedy answers the heads are scored on.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = cli::at_least_one)]
     max_new_tokens: usize,
     /// Print one JSON object instead of tables.
     #[arg(long)]

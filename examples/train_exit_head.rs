@@ -130,7 +130,7 @@ struct Args {
     /// none of their answers is trained on.
     #[arg(long, default_value_t = 40)]
     held_out: usize,
-    /// Evaluate every this many steps.
+    /// Evaluate the held-out answers every this many steps (0 = only before and after).
     #[arg(long, default_value_t = 100)]
     eval_every: usize,
     /// Training data file (default `OUT.data.jsonl`); several runs (e.g. an exit-layer sweep)
@@ -517,7 +517,7 @@ fn main() -> Result<()> {
             run.running = Some(smooth);
             // The last step is evaluated and saved once, below.
             let done = step + 1;
-            if done % args.eval_every == 0 && done < run.total() {
+            if args.eval_every > 0 && done % args.eval_every == 0 && done < run.total() {
                 let metrics = run.distiller.evaluate(held_out, EVAL_K)?;
                 bar.suspend(|| eprintln!("layer {} step {done}: {metrics:?}", run.exit_layer));
                 run.record(done, tokens_seen(done), &metrics);

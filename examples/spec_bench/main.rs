@@ -27,6 +27,8 @@
 
 #[path = "../common/bench_model.rs"]
 mod bench_model;
+#[path = "../common/cli.rs"]
+mod cli;
 #[path = "../common/heads.rs"]
 mod heads;
 #[path = "../common/ngrams.rs"]
@@ -66,13 +68,13 @@ struct Args {
     #[arg(long, default_value = "../shared/data/spec_bench.jsonl")]
     questions: PathBuf,
     /// Questions per category (the first ones of each).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = cli::at_least_one)]
     per_category: usize,
     /// Only these categories, comma-separated (default: all).
     #[arg(long, value_delimiter = ',')]
     categories: Vec<String>,
     /// New tokens per answer.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = cli::at_least_one)]
     max_new_tokens: usize,
     /// Methods besides AR, comma-separated `HEAD[@LAYER]/POLICY`: HEAD is `shipped` (the
     /// trained head in assets/heads), a checkpoint prefix, `norm@LAYER` (the parameter-free
