@@ -16,7 +16,10 @@
 //! join the tree (`opt@8+heads/lookahead`; `opt@8+shipped`: the one in `assets/heads`;
 //! `opt@8+shipped:3`: three levels along the head's best child). For every question the methods run right after
 //! AR on the same prompt (first turn, chat template), so machine drift cancels in the speedup, and
-//! every method's tokens are compared with AR's: `divergences` must be 0.
+//! every method's tokens are compared with AR's: `divergences` must be 0. The JSON's `host`
+//! names the CPU and, probed before each question, the round trip of a cache line between two
+//! threads (`core_to_core_ns`): on a VM whose vCPUs move between one core complex and two, it
+//! says which placement each question ran on.
 //!
 //! Sampled runs (`--temperature`) seed AR and every method alike. Tree speculation then draws
 //! AR's very tokens: it samples each emitted token once, from the same target row and with the
@@ -53,6 +56,8 @@ use clap::Parser;
 use eesd::bandit::Policy;
 use eesd::core::drafters::{DrafterSpec, HeadDrafter};
 use eesd::core::{GenerationConfig, GenerationOutput, Generator, Mode};
+use eesd::models::cpu::Pool;
+use eesd::models::cpu::roofline::{core_to_core_round_trip, cpu_name};
 use eesd::models::{AnyHead, LayerHead, Llama, LoadedModel, NormHead};
 use eesd::models::{load_layer_head, load_lookahead_head};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -414,6 +419,7 @@ fn main() -> Result<()> {
         )
         .collect();
     let mut totals: Vec<BTreeMap<String, Totals>> = vec![BTreeMap::new(); methods.len() + 1];
+    let mut round_trips: Vec<f64> = Vec::with_capacity(questions.len());
     for q in &questions {
         let prompt = lm.chat_prompt(&q.turns[0])?;
         let base = GenerationConfig {
@@ -423,6 +429,8 @@ fn main() -> Result<()> {
             seed: args.sampling.seed,
             ..Default::default()
         };
+        // Where the host's vCPUs sit now (one core complex or two) changes every figure.
+        round_trips.extend(core_to_core_round_trip());
         bar.set_message(format!("q{} {} ar", q.question_id, q.category));
         let ar = ar_gen.generate(&prompt, &base, |_| ControlFlow::Continue(()))?;
         bar.inc(1);
@@ -516,6 +524,12 @@ fn main() -> Result<()> {
         "model": path.display().to_string(), "device": args.model.device.name(), "dtype": args.model.dtype.name(),
         "questions": questions.len(), "sampling": sampling, "seed": args.sampling.seed,
         "max_new_tokens": args.max_new_tokens, "overall": overall, "methods": per_method,
+        "host": {
+            "cpu": cpu_name(), "threads": Pool::global().threads(),
+            // Probed before each question: tens of ns with both vCPUs on one core complex,
+            // hundreds on two (docs/results.md).
+            "core_to_core_ns": round_trips.iter().map(|ns| ns.round()).collect::<Vec<_>>(),
+        },
     });
 
     let mut table = String::from(

@@ -7,8 +7,14 @@
 //! int8 peak)` (both kinds of arithmetic share the vector units, so their times add). Benchmarks
 //! report measured time against that bound (`efficiency = roofline / measured`), so a reader
 //! sees how far each block size is from the hardware rather than from a previous version.
+//!
+//! Beside the limits, the probe times a cache line's round trip between two threads. On a
+//! virtual machine the same vCPUs may sit on one core complex (shared L3, tens of ns) or on two
+//! (hundreds of ns, a memory link each): the read bandwidth and every kernel that shares data
+//! between threads change with it, so reports name which placement their figures came from.
 
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use super::huge_pages::HugeBuf;
 use super::isa::Isa;
@@ -33,6 +39,9 @@ pub struct Roofline {
     /// kernels' instruction (AVX2 `vpmaddubsw`: 32 products summed in pairs; with AVX-512
     /// VNNI `vpdpbusd` on 512 bits: 64 products summed in fours), best of several runs.
     pub int8_gop_s: f64,
+    /// Round trip of one cache line between two spinning threads, ns (best of a few batches;
+    /// `None` with fewer than two cores or when the second thread never ran alongside).
+    pub core_to_core_ns: Option<f64>,
 }
 
 impl Roofline {
@@ -48,16 +57,25 @@ impl Roofline {
             bandwidth_gb_s: read_bandwidth(pool, isa, PROBE_BYTES, 10),
             fma_gflop_s: fma_peak(pool, isa, 20),
             int8_gop_s: int8_peak(pool, isa, 20),
+            core_to_core_ns: core_to_core_round_trip(),
         }
     }
 
     /// The higher bandwidth and the higher peak of two measurements of the same machine (each
-    /// probe can only be slowed down by other work on the host, never sped up).
+    /// probe can only be slowed down by other work on the host, never sped up), with the
+    /// core-to-core round trip measured beside the higher bandwidth (the two go together when
+    /// the host moves its vCPUs).
     pub fn best_with(&self, other: &Roofline) -> Roofline {
+        let faster = if other.bandwidth_gb_s > self.bandwidth_gb_s {
+            other
+        } else {
+            self
+        };
         Roofline {
-            bandwidth_gb_s: self.bandwidth_gb_s.max(other.bandwidth_gb_s),
+            bandwidth_gb_s: faster.bandwidth_gb_s,
             fma_gflop_s: self.fma_gflop_s.max(other.fma_gflop_s),
             int8_gop_s: self.int8_gop_s.max(other.int8_gop_s),
+            core_to_core_ns: faster.core_to_core_ns,
             ..*self
         }
     }
@@ -101,8 +119,64 @@ impl std::fmt::Display for Roofline {
             self.bandwidth_gb_s,
             self.fma_gflop_s,
             self.int8_gop_s
-        )
+        )?;
+        if let Some(ns) = self.core_to_core_ns {
+            write!(f, ", core-to-core round trip {ns:.0} ns")?;
+        }
+        Ok(())
     }
+}
+
+/// Round trip (ns) of one cache line between the calling thread and a second thread, both
+/// spinning: the best average over a few batches of trips, so that a preempted batch does not
+/// count. `None` with fewer than two cores, or when the trips take far too long (the two threads
+/// sharing one core).
+pub fn core_to_core_round_trip() -> Option<f64> {
+    const TRIPS: u64 = 5_000;
+    const BATCHES: usize = 5;
+    const GIVE_UP: Duration = Duration::from_millis(200);
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
+        return None;
+    }
+    /// A counter alone on its cache line (and the adjacent-line prefetch's pair).
+    #[repr(align(128))]
+    struct Line(AtomicU64);
+    let line = Line(AtomicU64::new(0));
+    let stop = AtomicBool::new(false);
+    let started = Instant::now();
+    std::thread::scope(|scope| {
+        // The echo: answers every odd value with the next even one.
+        scope.spawn(|| {
+            let mut expect = 1;
+            while !stop.load(Ordering::Relaxed) {
+                if line.0.load(Ordering::Acquire) == expect {
+                    line.0.store(expect + 1, Ordering::Release);
+                    expect += 2;
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        });
+        let mut best = f64::INFINITY;
+        let mut value = 0;
+        'batches: for _ in 0..BATCHES {
+            let start = Instant::now();
+            for _ in 0..TRIPS {
+                line.0.store(value + 1, Ordering::Release);
+                value += 2;
+                while line.0.load(Ordering::Acquire) != value {
+                    if started.elapsed() > GIVE_UP {
+                        best = f64::INFINITY;
+                        break 'batches;
+                    }
+                    std::hint::spin_loop();
+                }
+            }
+            best = best.min(start.elapsed().as_secs_f64() * 1e9 / TRIPS as f64);
+        }
+        stop.store(true, Ordering::Relaxed);
+        best.is_finite().then_some(best)
+    })
 }
 
 /// The CPU's model name (`/proc/cpuinfo` on Linux), for reports.
@@ -352,6 +426,7 @@ mod tests {
             bandwidth_gb_s: 10.0,
             fma_gflop_s: 100.0,
             int8_gop_s: 400.0,
+            core_to_core_ns: None,
         };
         assert!((r.seconds(1e9, 1e9, 0.0) - 0.1).abs() < 1e-12);
         assert!((r.seconds(1e8, 1e11, 0.0) - 1.0).abs() < 1e-12);
@@ -359,5 +434,43 @@ mod tests {
         assert_eq!(r.bound(1e9, 1e9, 0.0), "memory");
         assert_eq!(r.bound(1e8, 1e11, 0.0), "compute");
         assert_eq!(r.bound(1e9, 0.0, 4e10), "memory");
+    }
+
+    #[test]
+    fn the_round_trip_goes_with_the_faster_probe() {
+        let slow = Roofline {
+            isa: Isa::Portable,
+            threads: 2,
+            bandwidth_gb_s: 35.0,
+            fma_gflop_s: 230.0,
+            int8_gop_s: 900.0,
+            core_to_core_ns: Some(70.0),
+        };
+        let fast = Roofline {
+            bandwidth_gb_s: 60.0,
+            fma_gflop_s: 220.0,
+            core_to_core_ns: Some(340.0),
+            ..slow
+        };
+        for best in [slow.best_with(&fast), fast.best_with(&slow)] {
+            assert_eq!(best.bandwidth_gb_s, 60.0);
+            assert_eq!(best.fma_gflop_s, 230.0);
+            assert_eq!(best.core_to_core_ns, Some(340.0));
+        }
+    }
+
+    #[test]
+    fn the_round_trip_is_plausible_when_measured() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // `None` is allowed on a busy machine (the tests run in parallel): the echo thread
+        // may never run beside this one within the time limit.
+        let trip = core_to_core_round_trip();
+        if cores < 2 {
+            assert_eq!(trip, None);
+        }
+        if let Some(ns) = trip {
+            // From a shared cache (tens of ns) to another socket or a preempted batch.
+            assert!(ns > 1.0 && ns < 200_000.0, "{ns}");
+        }
     }
 }
