@@ -1,18 +1,10 @@
 //! Arguments that would measure nothing or divide by zero are refused (or mean "never") in the
 //! example binaries instead of panicking or printing NaN ratios.
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod common;
-use common::{tiny_model, train_exit_head, write_prompts};
-
-/// An example binary `cargo test` built beside the running test.
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(Path::parent).unwrap();
-    profile_dir.join("examples").join(name)
-}
+use common::{example, tiny_model, train_exit_head, write_prompts};
 
 #[test]
 fn zero_counts_are_refused_with_a_message() {

@@ -5,18 +5,23 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-/// The `train_exit_head` example binary `cargo test` built beside the running test
+/// The example binary `name` that `cargo test` built beside the running test
 /// (`target/<profile>/examples/`).
-pub fn train_exit_head() -> PathBuf {
+pub fn example(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let profile_dir = exe.parent().and_then(Path::parent).unwrap();
-    let path = profile_dir.join("examples").join("train_exit_head");
+    let path = profile_dir.join("examples").join(name);
     assert!(
         path.exists(),
         "{} is built by `cargo test --features train`",
         path.display()
     );
     path
+}
+
+/// The `train_exit_head` example binary.
+pub fn train_exit_head() -> PathBuf {
+    example("train_exit_head")
 }
 
 /// Runs `train_exit_head` on `model` and `prompts` into the prefix `out`, with the settings of a
