@@ -47,7 +47,7 @@ pub use heads::{
     AnyHead, AnyHeadCache, HeadKind, LayerHead, LayerHeadWeights, NormHead, VocabSubset,
 };
 pub use layer::{AttentionContext, DecoderLayer};
-pub use llama::{ForwardCost, Llama, WeightDType};
+pub use llama::{ForwardCost, Llama, LmHeadRows, WeightDType};
 pub use loader::{LoadOptions, LoadedModel};
 pub use quant::GgmlType;
 pub use tokenizer::{TextStream, Tokenizer};

@@ -77,6 +77,37 @@ pub struct Llama {
     rope: Rope,
 }
 
+/// Some rows of a model's LM head ([`Llama::lm_head_rows`]): logits for a subset of the
+/// vocabulary, e.g. the distillation targets of a head with a draft vocabulary.
+#[derive(Debug, Clone)]
+pub struct LmHeadRows {
+    rows: HeadRows,
+    packed: PackedCache,
+}
+
+/// The rows themselves: in the file's block format (native weights, with a dense copy made
+/// only if a backend without the quantized kernel asks) or dense.
+#[derive(Debug, Clone)]
+enum HeadRows {
+    Native(Arc<QuantMatrix>, Param<Tensor<2>>),
+    Dense(Tensor<2>),
+}
+
+impl LmHeadRows {
+    /// Number of rows (tokens).
+    pub fn len(&self) -> usize {
+        match &self.rows {
+            HeadRows::Native(q, _) => q.out(),
+            HeadRows::Dense(w) => w.dims()[0],
+        }
+    }
+
+    /// Whether it has no rows.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// Position-table values any model may have (16 MiB of f32), whatever its embedding's size.
 const MIN_TABLE_VALUES: u128 = 1 << 22;
 
@@ -567,6 +598,51 @@ impl Llama {
             x = layer.forward_batch(x, &self.rope, &positions, &mut layer_caches, limit)?;
         }
         Ok(self.logits(x))
+    }
+
+    /// The LM head restricted to the tokens `ids` (in that order), for
+    /// [`Llama::logits_of`]: with native weights the head's own quantized rows, else its dense
+    /// rows. An id outside the vocabulary is an error.
+    pub fn lm_head_rows(&self, ids: &[u32]) -> Result<LmHeadRows> {
+        let vocab = self.config.vocab_size;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(ModelError::InvalidArgument(format!(
+                "token {id} is outside the vocabulary of {vocab}"
+            )));
+        }
+        if let Some(q) = &self.native_lm_head {
+            let rows = q
+                .select_rows(ids)
+                .map_err(|e| ModelError::InvalidArgument(e.to_string()))?;
+            let rows = Arc::new(rows);
+            return Ok(LmHeadRows {
+                rows: HeadRows::Native(rows.clone(), lazy_param(rows, &self.device)),
+                packed: PackedCache::default(),
+            });
+        }
+        let index: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+        let index = Tensor::<1, Int>::from_data(TensorData::new(index, [ids.len()]), &self.device);
+        Ok(LmHeadRows {
+            rows: HeadRows::Dense(self.lm_head.val().select(0, index)),
+            packed: PackedCache::default(),
+        })
+    }
+
+    /// Final RMSNorm + the LM head's `rows`: `[t, hidden]` → logits `[t, rows]`, the model's
+    /// logits for those tokens alone (a fraction of [`Llama::logits`]' work for a small set).
+    /// On the flex CPU kernels each is the same bits as its column of [`Llama::logits`] (every
+    /// output is its own fixed chain of products); other backends may round differently.
+    pub fn logits_of(&self, hidden: Tensor<2>, rows: &LmHeadRows) -> Tensor<2> {
+        let x = rms_norm(hidden, self.final_norm.clone(), self.config.rms_norm_eps);
+        match &rows.rows {
+            HeadRows::Dense(w) => linear(x, w, &rows.packed),
+            HeadRows::Native(q, dense) => match quant_linear(&x, q) {
+                Some(y) => y,
+                // Where the quantized kernel does not apply (another backend): dequantized on
+                // first use and kept.
+                None => linear(x, &dense.val(), &rows.packed),
+            },
+        }
     }
 
     /// Final RMSNorm + LM head: `[t, hidden]` → logits `[t, vocab]`.

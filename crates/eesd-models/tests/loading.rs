@@ -335,3 +335,38 @@ fn corrupt_hf_directories_are_errors() {
     let err = LoadedModel::load(dir.path(), &device(), &LoadOptions::default()).unwrap_err();
     assert!(matches!(err, ModelError::InvalidConfig(_)), "{err}");
 }
+
+/// `Llama::logits_of` gives the model's logits for a subset of the vocabulary: on flex the same
+/// bits as those columns of `Llama::logits` (each output its own chain of products), with
+/// native and with dense weights; ids outside the vocabulary are refused.
+#[test]
+fn logits_of_some_rows_are_those_columns_of_the_logits() {
+    let flex = !matches!(std::env::var("EESD_TEST_BACKEND").as_deref(), Ok(b) if b != "flex");
+    for model in [common::tiny(11), common::tiny_quantized(11)] {
+        let vocab = model.config().vocab_size;
+        let hidden = model.embed(&[1, 5, 9, 2, 7]).unwrap();
+        let full = testing::values(model.logits(hidden.clone()));
+        let ids: Vec<u32> = vec![3, 0, (vocab - 1) as u32, 17, 3];
+        let rows = model.lm_head_rows(&ids).unwrap();
+        assert_eq!(rows.len(), ids.len());
+        let some = testing::values(model.logits_of(hidden, &rows));
+        assert_eq!(some.len(), 5 * ids.len());
+        for t in 0..5 {
+            for (j, &id) in ids.iter().enumerate() {
+                let (got, want) = (some[t * ids.len() + j], full[t * vocab + id as usize]);
+                if flex {
+                    assert_eq!(got.to_bits(), want.to_bits(), "position {t}, token {id}");
+                } else {
+                    assert!(
+                        (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                        "{got} vs {want}"
+                    );
+                }
+            }
+        }
+        assert!(matches!(
+            model.lm_head_rows(&[vocab as u32]),
+            Err(ModelError::InvalidArgument(_))
+        ));
+    }
+}

@@ -12,10 +12,11 @@ use burn::optim::grad_clipping::GradientClippingConfig;
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use eesd_core::math::{exp, sum_f64};
 use eesd_models::cpu::PackedCache;
 use eesd_models::layer::{AttentionContext, linear};
 use eesd_models::rope::Rope;
-use eesd_models::{HeadKind, LayerHead, LayerHeadWeights, Llama, VocabSubset};
+use eesd_models::{HeadKind, LayerHead, LayerHeadWeights, Llama, LmHeadRows, VocabSubset};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
@@ -150,6 +151,40 @@ pub fn pack(lengths: &[usize], max_tokens: usize) -> Vec<Vec<usize>> {
     batches
 }
 
+/// A teacher's distribution over the draft vocabulary at some rows, as a distillation target.
+struct Target {
+    /// Probabilities `[rows, vocabulary]` on the training device.
+    probs: Tensor<2>,
+    /// `Σ p log p` over all rows and tokens (the negated entropy, summed).
+    neg_entropy: f64,
+}
+
+/// Each `width`-long row of `logits` turned into its softmax in place, and `Σ p log p` over
+/// all rows, on the host with the vectorisable `exp` (burn's CPU `exp` is a libm call per
+/// element: with the teacher's log-softmax and its exponential that was ≈ 7% of a step).
+fn softmax_rows(mut logits: Vec<f32>, width: usize) -> (Vec<f32>, f64) {
+    let mut neg_entropy = 0.0;
+    for row in logits.chunks_exact_mut(width.max(1)) {
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        // Σ e^s and Σ e^s · s with s = l − max: Σ p log p = Σ e^s s / Σ e^s − ln Σ e^s. The
+        // weighted sum in eight interleaved f64 partial sums, as `sum_f64` does.
+        let mut partial = [0f64; 8];
+        for chunk in row.chunks_mut(8) {
+            for (p, v) in partial.iter_mut().zip(chunk) {
+                let shifted = *v - max;
+                *v = exp(shifted);
+                *p += f64::from(*v * shifted);
+            }
+        }
+        let weighted: f64 = partial.iter().sum();
+        let sum = sum_f64(row);
+        let norm = (1.0 / sum) as f32;
+        row.iter_mut().for_each(|v| *v *= norm);
+        neg_entropy += weighted / sum - sum.ln();
+    }
+    (logits, neg_entropy)
+}
+
 /// The frozen model's outputs for a packed block of sequences, on the plain device: what every
 /// head trained on that block needs. One [`Teacher`] serves heads at several exit layers (the
 /// full forward pass, most of a step's cost, runs once for all of them).
@@ -159,8 +194,9 @@ pub struct Teacher {
     /// Layer-N hidden states `[t, hidden]` per exit layer N asked for, by layer, the last
     /// layer's (before the final norm) always last.
     hidden: Vec<(usize, Tensor<2>)>,
-    /// Full-vocabulary logits `[t, vocab]`.
-    logits: Tensor<2>,
+    /// Full-vocabulary logits `[t, vocab]`, when they were computed for the argmax (a block
+    /// read back from a [`crate::TeacherCache`] comes with its argmax and skips them).
+    logits: Option<Tensor<2>>,
     /// The full model's argmax at each position.
     argmax: Vec<u32>,
     /// Lengths of the sequences packed in the block.
@@ -198,7 +234,7 @@ impl Teacher {
             done = n;
         }
         hidden.push((layers, model.forward_packed(x, done..layers, &ctx)?));
-        Self::from_states(model, tokens, lengths, hidden)
+        Self::from_states(model, tokens, lengths, hidden, None)
     }
 
     /// The block's tokens and sequence lengths, once `sequences` and `exit_layers` are checked.
@@ -225,13 +261,15 @@ impl Teacher {
     }
 
     /// The teacher of a block whose states after each layer kept are known (by layer, the last
-    /// layer's last): the logits and greedy tokens follow from the last layer's, as in
-    /// [`Teacher::new`], bit for bit.
+    /// layer's last): the greedy tokens follow from the last layer's, as in [`Teacher::new`],
+    /// bit for bit, unless they are known too (`argmax`: then the full-vocabulary LM head, a
+    /// fifth of a small head's step, is not run at all).
     pub(crate) fn from_states(
         model: &Llama,
         tokens: Vec<u32>,
         lengths: Vec<usize>,
         hidden: Vec<(usize, Tensor<2>)>,
+        argmax: Option<Vec<u32>>,
     ) -> Result<Self> {
         let top = match hidden.last() {
             Some((n, top)) if *n == model.num_layers() => top.clone(),
@@ -241,17 +279,32 @@ impl Teacher {
                 ));
             }
         };
-        let logits = model.logits(top);
-        let argmax = logits
-            .clone()
-            .argmax(1)
-            .into_data()
-            .convert::<i64>()
-            .try_into_vec::<i64>()
-            .map_err(|e| TrainError::TensorData(format!("{e:?}")))?
-            .into_iter()
-            .map(|v| v as u32)
-            .collect();
+        if let Some(argmax) = &argmax
+            && argmax.len() != tokens.len()
+        {
+            return Err(TrainError::InvalidConfig(format!(
+                "{} greedy tokens for a block of {} positions",
+                argmax.len(),
+                tokens.len()
+            )));
+        }
+        let (logits, argmax) = match argmax {
+            Some(argmax) => (None, argmax),
+            None => {
+                let logits = model.logits(top);
+                let argmax = logits
+                    .clone()
+                    .argmax(1)
+                    .into_data()
+                    .convert::<i64>()
+                    .try_into_vec::<i64>()
+                    .map_err(|e| TrainError::TensorData(format!("{e:?}")))?
+                    .into_iter()
+                    .map(|v| v as u32)
+                    .collect();
+                (Some(logits), argmax)
+            }
+        };
         Ok(Teacher {
             tokens,
             hidden,
@@ -324,6 +377,43 @@ impl Teacher {
         &self.hidden
     }
 
+    /// The full model's greedy token at each position.
+    pub(crate) fn argmax(&self) -> &[u32] {
+        &self.argmax
+    }
+
+    /// The full model's logits over `targets`' tokens (all of them with `None`) at `rows`
+    /// (ascending block positions), `[rows, tokens]`: the same bits whichever way the teacher
+    /// was made (each output is its own chain of products).
+    fn logits_at(
+        &self,
+        model: &Llama,
+        targets: Option<&LmHeadRows>,
+        rows: &[usize],
+    ) -> Result<Tensor<2>> {
+        let every = rows.len() == self.positions();
+        let pick = |t: Tensor<2>| match every {
+            true => t,
+            false => {
+                let device = t.device();
+                t.select(0, index(rows.iter().copied(), &device))
+            }
+        };
+        Ok(match (targets, &self.logits) {
+            (None, Some(logits)) => pick(logits.clone()),
+            (None, None) => model.logits(pick(self.top()?)),
+            (Some(targets), _) => model.logits_of(pick(self.top()?), targets),
+        })
+    }
+
+    /// The last layer's states (before the final norm).
+    fn top(&self) -> Result<Tensor<2>> {
+        self.hidden
+            .last()
+            .map(|(_, t)| t.clone())
+            .ok_or_else(|| TrainError::InvalidConfig("a teacher without states".into()))
+    }
+
     fn hidden(&self, exit_layer: usize) -> Result<Tensor<2>> {
         self.hidden
             .iter()
@@ -349,7 +439,8 @@ pub struct Distiller<'m> {
     train_device: Device,
     rope: Rope,
     projection: Tensor<2>,
-    subset_ids: Option<Tensor<1, Int>>,
+    /// The LM head's rows of the draft vocabulary: the teacher's logits over it alone.
+    target_rows: Option<LmHeadRows>,
     /// Column of each full-vocabulary token in the draft vocabulary (`None`: outside it).
     column: Vec<Option<usize>>,
 }
@@ -375,6 +466,10 @@ impl<'m> Distiller<'m> {
             None => lm_head,
         }
         .to_device(&train_device);
+        let target_rows = subset
+            .as_ref()
+            .map(|s| model.lm_head_rows(s.ids()))
+            .transpose()?;
         let optim = optimizer(&config);
         let vocab = model.config().vocab_size;
         let column = match &subset {
@@ -412,7 +507,7 @@ impl<'m> Distiller<'m> {
             train_device,
             rope,
             projection,
-            subset_ids,
+            target_rows,
             column,
         })
     }
@@ -450,14 +545,6 @@ impl<'m> Distiller<'m> {
     }
 
     /// Teacher log-probabilities over the draft vocabulary `[t, n]`, on the plain device.
-    fn teacher_log_probs(&self, teacher: &Teacher) -> Tensor<2> {
-        let logits = match &self.subset_ids {
-            Some(ids) => teacher.logits.clone().select(1, ids.clone()),
-            None => teacher.logits.clone(),
-        };
-        log_softmax(logits, 1)
-    }
-
     /// Student log-probabilities `[r, n]` on the training device for the teacher's block, and
     /// for each student row the teacher row whose distribution it learns: the same row for a
     /// chain head; for a lookahead head, which reads a position's state and the token after
@@ -517,18 +604,20 @@ impl<'m> Distiller<'m> {
         ))
     }
 
-    /// The teacher's log-probabilities over the draft vocabulary at `rows`, on the training
-    /// device.
-    fn targets(&self, teacher: &Teacher, rows: &[usize]) -> Tensor<2> {
-        let all = self.teacher_log_probs(teacher);
-        let picked = match rows.len() == teacher.positions() {
-            true => all,
-            false => {
-                let ids = index(rows.iter().copied(), &all.device());
-                all.select(0, ids)
-            }
-        };
-        picked.to_device(&self.train_device)
+    /// The teacher's distribution over the draft vocabulary at `rows`, on the training device.
+    fn targets(&self, teacher: &Teacher, rows: &[usize]) -> Result<Target> {
+        let logits = teacher.logits_at(self.model, self.target_rows.as_ref(), rows)?;
+        let [r, n] = logits.dims();
+        let values = logits
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .map_err(|e| TrainError::TensorData(format!("{e:?}")))?;
+        let (probs, neg_entropy) = softmax_rows(values, n);
+        Ok(Target {
+            probs: Tensor::from_data(TensorData::new(probs, [r, n]), &self.train_device),
+            neg_entropy,
+        })
     }
 
     /// Mean −log q(greedy token) over positions whose greedy token is in the draft vocabulary.
@@ -551,10 +640,14 @@ impl<'m> Distiller<'m> {
             .div_scalar(kept)
     }
 
-    fn kl(teacher: Tensor<2>, student: Tensor<2>) -> Tensor<1> {
-        let t = teacher.dims()[0] as f64;
-        (teacher.clone().exp() * (teacher - student))
+    /// Mean KL(teacher ‖ student) over the rows, from the student's log-probabilities: the
+    /// teacher's `Σ p log p` is a constant (no gradient), so only `−Σ p log q` is traced.
+    fn kl(target: Target, student: Tensor<2>) -> Tensor<1> {
+        let t = target.probs.dims()[0].max(1) as f64;
+        (target.probs * student)
             .sum()
+            .neg()
+            .add_scalar(target.neg_entropy)
             .div_scalar(t)
     }
 
@@ -569,7 +662,7 @@ impl<'m> Distiller<'m> {
     /// [`Teacher`] shared by heads at several exit layers (it must hold this head's layer).
     pub fn train_step_on(&mut self, teacher: &Teacher) -> Result<f64> {
         let (student, rows) = self.student(teacher, self.config.answers_only)?;
-        let target = self.targets(teacher, &rows);
+        let target = self.targets(teacher, &rows)?;
         let mut loss = Self::kl(target, student.clone());
         if self.config.ce_weight > 0.0 {
             let greedy: Vec<u32> = rows.iter().map(|&r| teacher.argmax[r]).collect();
@@ -601,7 +694,7 @@ impl<'m> Distiller<'m> {
                 continue;
             }
             let student = student.detach();
-            let target = self.targets(&teacher, &learnt);
+            let target = self.targets(&teacher, &learnt)?;
             kl += Self::kl(target, student.clone()).into_scalar::<f32>() as f64 * rows as f64;
             let picks = student
                 .argmax(1)
@@ -644,5 +737,38 @@ impl<'m> Distiller<'m> {
             weights,
             self.subset.as_ref(),
         )?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::softmax_rows;
+
+    #[test]
+    fn softmax_rows_match_the_f64_definition() {
+        let width = 37;
+        let logits: Vec<f32> = (0..3 * width)
+            .map(|i| ((i * 7919) % 101) as f32 * 0.37 - 20.0)
+            .collect();
+        let (probs, neg_entropy) = softmax_rows(logits.clone(), width);
+        let mut want_entropy = 0.0;
+        for (row, got) in logits.chunks(width).zip(probs.chunks(width)) {
+            let max = row
+                .iter()
+                .fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
+            let sum: f64 = row.iter().map(|&v| (f64::from(v) - max).exp()).sum();
+            for (&l, &p) in row.iter().zip(got) {
+                let want = (f64::from(l) - max).exp() / sum;
+                assert!(
+                    (f64::from(p) - want).abs() < 1e-6 * want.max(1e-3),
+                    "{p} vs {want}"
+                );
+                want_entropy += want * want.ln();
+            }
+        }
+        assert!(
+            (neg_entropy - want_entropy).abs() < 1e-5,
+            "{neg_entropy} vs {want_entropy}"
+        );
     }
 }

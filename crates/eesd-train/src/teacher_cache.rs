@@ -3,12 +3,13 @@
 //! Training goes over the same answers several times, and every step begins with a full forward
 //! pass of the frozen model over its block: most of a step's time on a CPU. A [`TeacherCache`]
 //! keeps, per block, the hidden states the heads read (after each exit layer below the last, and
-//! after the last layer, from which the logits and greedy tokens follow), so that later passes
-//! only compute the logits. A [`Teacher`] read back equals the one the forward pass gives, bit
+//! after the last layer, from which the logits follow) and the full model's greedy tokens, so
+//! that later passes only compute the logits of the heads' draft vocabularies. A [`Teacher`] read back equals the one the forward pass gives, bit
 //! for bit, so a run with a cache trains exactly the head a run without one trains.
 //!
 //! One safetensors file per block (`KEY.safetensors`: the block's token ids, its states in f32
-//! as `layer.N`, and in the metadata the sequence lengths and the teacher's identity, e.g. the
+//! as `layer.N`, the greedy tokens as `argmax` (a file written before they were kept has them
+//! computed again on reading), and in the metadata the sequence lengths and the teacher's identity, e.g. the
 //! model file's SHA-256 and weight format). A file that is missing, unreadable, for other
 //! tokens, another teacher or fewer layers is computed again and replaced; files are written
 //! with [`eesd_models::write_atomically`], so a killed run leaves whole files or none (and at most
@@ -85,9 +86,9 @@ impl TeacherCache {
         // A file that does not fit is no error: it is recomputed and replaced (a path that is
         // not a regular file, e.g. a pipe, is not read: it would block).
         if let Ok(bytes) = eesd_models::file_bytes::read(&path)
-            && let Some(hidden) = self.parse(&bytes, model, &tokens, &lengths, &wanted)
+            && let Some((hidden, argmax)) = self.parse(&bytes, model, &tokens, &lengths, &wanted)
         {
-            let teacher = Teacher::from_states(model, tokens, lengths, hidden)?;
+            let teacher = Teacher::from_states(model, tokens, lengths, hidden, argmax)?;
             return Ok((teacher, CacheOutcome::Hit));
         }
         let teacher = Teacher::run(model, tokens, lengths, exit_layers)?;
@@ -96,7 +97,9 @@ impl TeacherCache {
     }
 
     /// The states of a stored block, by layer (`wanted`, below the last, then the last layer's),
-    /// if `bytes` are one for this teacher, `tokens`, `lengths` and (at least) those layers.
+    /// and its greedy tokens where stored, if `bytes` are one for this teacher, `tokens`,
+    /// `lengths` and (at least) those layers.
+    #[allow(clippy::type_complexity)]
     fn parse(
         &self,
         bytes: &[u8],
@@ -104,7 +107,7 @@ impl TeacherCache {
         tokens: &[u32],
         lengths: &[usize],
         wanted: &[usize],
-    ) -> Option<Vec<(usize, Tensor<2>)>> {
+    ) -> Option<(Vec<(usize, Tensor<2>)>, Option<Vec<u32>>)> {
         let (_, meta) = SafeTensors::read_metadata(bytes).ok()?;
         let meta = meta.metadata().as_ref()?;
         let stored_lengths: Vec<usize> = serde_json::from_str(meta.get("lengths")?).ok()?;
@@ -112,17 +115,20 @@ impl TeacherCache {
             return None;
         }
         let st = SafeTensors::deserialize(bytes).ok()?;
-        let ids = st.tensor("tokens").ok()?;
-        let same_tokens = ids.dtype() == Dtype::U32
-            && ids.shape() == [tokens.len()]
-            && ids
-                .data()
-                .chunks_exact(4)
-                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .eq(tokens.iter().copied());
-        if !same_tokens {
+        let ids = |name: &str| -> Option<Vec<u32>> {
+            let view = st.tensor(name).ok()?;
+            (view.dtype() == Dtype::U32 && view.shape() == [tokens.len()]).then(|| {
+                view.data()
+                    .chunks_exact(4)
+                    .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect()
+            })
+        };
+        if ids("tokens")? != tokens {
             return None;
         }
+        let vocab = model.config().vocab_size;
+        let argmax = ids("argmax").filter(|a| a.iter().all(|&t| (t as usize) < vocab));
         let shape = [tokens.len(), model.config().hidden_size];
         let read = |name: &str| -> Option<Tensor<2>> {
             let view = st.tensor(name).ok()?;
@@ -139,12 +145,13 @@ impl TeacherCache {
                 model.device(),
             ))
         };
-        wanted
+        let states = wanted
             .iter()
             .copied()
             .chain([model.num_layers()])
             .map(|n| Some((n, read(&format!("layer.{n}"))?)))
-            .collect()
+            .collect::<Option<Vec<_>>>()?;
+        Some((states, argmax))
     }
 
     /// Writes `teacher`'s block to `path`, atomically.
@@ -168,6 +175,16 @@ impl TeacherCache {
                 .flat_map(|t| t.to_le_bytes())
                 .collect(),
         )];
+        data.push((
+            "argmax".into(),
+            vec![teacher.argmax().len()],
+            Dtype::U32,
+            teacher
+                .argmax()
+                .iter()
+                .flat_map(|t| t.to_le_bytes())
+                .collect(),
+        ));
         for (n, t) in teacher.states() {
             data.push((
                 format!("layer.{n}"),

@@ -1,19 +1,37 @@
 //! The teacher cache on a tiny random LLaMA: a head trained from cached teacher passes is the
-//! head trained from fresh ones, bit for bit, and files that do not fit are recomputed.
+//! head trained from fresh ones, bit for bit (full or draft vocabulary, dense or native
+//! weights, files with or without the greedy tokens), and files that do not fit are recomputed.
+
+use std::collections::HashMap;
 
 use eesd_core::Backend;
-use eesd_models::testing::{tiny_config, tiny_gguf_bytes};
-use eesd_models::{HeadKind, LayerHead, Llama, LoadOptions, LoadedModel};
+use eesd_models::testing::{tiny_config, tiny_gguf_bytes, tiny_quantized_gguf_bytes};
+use eesd_models::{HeadKind, LayerHead, Llama, LoadOptions, LoadedModel, VocabSubset, WeightDType};
 use eesd_train::{CacheOutcome, DistillConfig, Distiller, Teacher, TeacherCache, TrainError};
+use safetensors::SafeTensors;
 
 fn tiny(seed: u64) -> Llama {
+    load(tiny_gguf_bytes(&tiny_config(), seed), WeightDType::F32)
+}
+
+/// The tiny model with Q4_1/Q8_0 matrices, kept in their blocks.
+fn tiny_native(seed: u64) -> Llama {
+    load(
+        tiny_quantized_gguf_bytes(&tiny_config(), seed),
+        WeightDType::Native,
+    )
+}
+
+fn load(bytes: Vec<u8>, dtype: WeightDType) -> Llama {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tiny.gguf");
-    std::fs::write(&path, tiny_gguf_bytes(&tiny_config(), seed)).unwrap();
+    std::fs::write(&path, bytes).unwrap();
     let device = Backend::default_compiled().unwrap().device().unwrap();
-    LoadedModel::load(&path, &device, &LoadOptions::default())
-        .unwrap()
-        .model
+    let options = LoadOptions {
+        dtype,
+        ..Default::default()
+    };
+    LoadedModel::load(&path, &device, &options).unwrap().model
 }
 
 /// Every trained value of the head, as bits.
@@ -30,8 +48,13 @@ fn bits(d: Distiller) -> Vec<u32> {
     out
 }
 
-fn distiller(model: &Llama, kind: HeadKind, exit: usize) -> Distiller<'_> {
-    let head = LayerHead::from_model(model, kind, exit, 1, None).unwrap();
+fn distiller<'m>(
+    model: &'m Llama,
+    kind: HeadKind,
+    exit: usize,
+    subset: Option<&VocabSubset>,
+) -> Distiller<'m> {
+    let head = LayerHead::from_model(model, kind, exit, 1, subset).unwrap();
     let config = DistillConfig {
         learning_rate: 1e-2,
         warmup_steps: 1,
@@ -42,9 +65,42 @@ fn distiller(model: &Llama, kind: HeadKind, exit: usize) -> Distiller<'_> {
     Distiller::new(model, head, config).unwrap()
 }
 
+/// Rewrites every file in `dir` without its `argmax` tensor, as the cache wrote them before
+/// it kept the greedy tokens.
+fn drop_greedy_tokens(dir: &std::path::Path) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let bytes = std::fs::read(&path).unwrap();
+        let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
+        let meta: HashMap<String, String> = meta.metadata().clone().unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let kept: Vec<_> = st
+            .tensors()
+            .into_iter()
+            .filter(|(name, _)| name != "argmax")
+            .collect();
+        assert!(
+            kept.len() < st.len(),
+            "{} has its greedy tokens",
+            path.display()
+        );
+        std::fs::write(&path, safetensors::serialize(kept, Some(meta)).unwrap()).unwrap();
+    }
+}
+
 #[test]
 fn a_head_trained_from_cached_teachers_is_the_head_trained_from_fresh_ones() {
-    let model = tiny(31);
+    for (model, subset) in [
+        (tiny(31), None),
+        (tiny(31), Some(vec![3, 0, 7, 9, 20, 1])),
+        (tiny_native(31), Some(vec![5, 2, 11, 8, 1, 30])),
+    ] {
+        let subset = subset.map(|ids| VocabSubset::new(ids, model.config().vocab_size).unwrap());
+        trains_alike(&model, subset.as_ref());
+    }
+}
+
+fn trains_alike(model: &Llama, subset: Option<&VocabSubset>) {
     let layers = model.num_layers();
     // Three blocks, one of two packed sequences; four passes over them.
     let blocks: Vec<Vec<Vec<u32>>> = vec![
@@ -54,19 +110,25 @@ fn a_head_trained_from_cached_teachers_is_the_head_trained_from_fresh_ones() {
     ];
     for (kind, exit) in [(HeadKind::Layer, 1), (HeadKind::Lookahead, layers)] {
         let dir = tempfile::tempdir().unwrap();
-        let cache = TeacherCache::open(&dir.path().join("teacher"), "tiny 31").unwrap();
-        let (mut fresh, mut cached) =
-            (distiller(&model, kind, exit), distiller(&model, kind, exit));
+        let files = dir.path().join("teacher");
+        let cache = TeacherCache::open(&files, "tiny 31").unwrap();
+        let (mut fresh, mut cached) = (
+            distiller(model, kind, exit, subset),
+            distiller(model, kind, exit, subset),
+        );
         let mut outcomes = Vec::new();
         for step in 0..12 {
+            if step == 6 {
+                drop_greedy_tokens(&files);
+            }
             let b = step % blocks.len();
             let batch: Vec<&[u32]> = blocks[b].iter().map(Vec::as_slice).collect();
             let want = fresh
-                .train_step_on(&Teacher::new(&model, &batch, &[exit]).unwrap())
+                .train_step_on(&Teacher::new(model, &batch, &[exit]).unwrap())
                 .unwrap();
             // The cache keeps layer 2 too (a run training several heads asks for all).
             let (teacher, outcome) = cache
-                .teacher(&model, &format!("block-{b}"), &batch, &[exit, 2])
+                .teacher(model, &format!("block-{b}"), &batch, &[exit, 2])
                 .unwrap();
             outcomes.push(outcome);
             let got = cached.train_step_on(&teacher).unwrap();
