@@ -27,9 +27,9 @@ use eesd::models::{
 };
 use eesd::train::checkpoint::FORMAT_VERSION;
 use eesd::train::{
-    AnswerConfig, AnswerPrompt, CacheOutcome, DistillConfig, Distiller, EvalMetrics, HeadMetadata,
-    LineIndex, Sequence, Teacher, TeacherCache, TrainError, file_sha256, generate_answers, pack,
-    save_layer_head, state_path,
+    AnswerConfig, AnswerPrompt, CacheOutcome, DistillConfig, Distiller, EvalMetrics, EvalSet,
+    HeadMetadata, LineIndex, Sequence, Teacher, TeacherCache, TrainError, file_sha256,
+    generate_answers, pack, save_layer_head, state_path,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -445,6 +445,8 @@ fn main() -> Result<()> {
     if layers.is_empty() {
         bail!("--exit-layer names no layer");
     }
+    // The frozen model's passes over the held-out answers, made once for every evaluation.
+    let eval_set = EvalSet::new(m, held_out, &layers)?;
     let mut runs = layers
         .iter()
         .map(|&n| {
@@ -455,7 +457,7 @@ fn main() -> Result<()> {
                 args.out.with_file_name(format!("{stem}-l{n}"))
             };
             let mut run =
-                HeadRun::start(&args, m, n, out, &sha, subset.as_ref(), &config, held_out)?;
+                HeadRun::start(&args, m, n, out, &sha, subset.as_ref(), &config, &eval_set)?;
             run.generation_seconds += generation_seconds;
             Ok(run)
         })
@@ -518,7 +520,7 @@ fn main() -> Result<()> {
             // The last step is evaluated and saved once, below.
             let done = step + 1;
             if args.eval_every > 0 && done % args.eval_every == 0 && done < run.total() {
-                let metrics = run.distiller.evaluate(held_out, EVAL_K)?;
+                let metrics = run.distiller.evaluate_set(&eval_set, EVAL_K)?;
                 bar.suspend(|| eprintln!("layer {} step {done}: {metrics:?}", run.exit_layer));
                 run.record(done, tokens_seen(done), &metrics);
             }
@@ -563,7 +565,7 @@ fn main() -> Result<()> {
 
     // (4) Checkpoints.
     for mut run in runs {
-        let after = run.distiller.evaluate(held_out, EVAL_K)?;
+        let after = run.distiller.evaluate_set(&eval_set, EVAL_K)?;
         let total = run.total();
         // A resumed run that had already finished has its final entry.
         if run
@@ -694,7 +696,7 @@ impl<'m> HeadRun<'m> {
         model_sha: &str,
         subset: Option<&VocabSubset>,
         config: &DistillConfig,
-        held_out: &[Sequence],
+        eval_set: &EvalSet,
     ) -> Result<Self> {
         let saved = args.resume && state_path(&out).exists();
         if args.resume && !saved {
@@ -732,7 +734,7 @@ impl<'m> HeadRun<'m> {
                 }
             };
             let d = Distiller::new(m, head, config.clone())?;
-            let before = d.evaluate(held_out, EVAL_K)?;
+            let before = d.evaluate_set(eval_set, EVAL_K)?;
             (d, before, Vec::new(), 0.0, 0.0)
         };
         eprintln!("layer {exit_layer} before: {before:?}");

@@ -12,7 +12,7 @@ use eesd_models::{
 };
 use eesd_train::checkpoint::FORMAT_VERSION;
 use eesd_train::{
-    AnswerConfig, AnswerPrompt, DistillConfig, Distiller, HeadMetadata, Sequence, Teacher,
+    AnswerConfig, AnswerPrompt, DistillConfig, Distiller, EvalSet, HeadMetadata, Sequence, Teacher,
     TrainError, generate_answers, load_layer_head, pack, save_layer_head, state_path,
 };
 
@@ -102,11 +102,16 @@ fn distillation_lowers_the_held_out_kl_for(kind: HeadKind, ce_weight: f32) {
         ..Default::default()
     };
     let mut d = Distiller::new(&model, head, config).unwrap();
+    // The teacher passes kept once serve every evaluation, with the same figures.
+    let set = EvalSet::new(&model, held_out, &[1, 2]).unwrap();
+    assert_eq!(set.len(), held_out.len());
     let before = d.evaluate(held_out, 4).unwrap();
+    assert_eq!(d.evaluate_set(&set, 4).unwrap(), before);
     for step in 0..96 {
         d.train_step(&[&train[step % train.len()].tokens]).unwrap();
     }
     let after = d.evaluate(held_out, 4).unwrap();
+    assert_eq!(d.evaluate_set(&set, 4).unwrap(), after);
     assert!(
         after.kl < 0.7 * before.kl,
         "{kind:?}: held-out KL {} -> {}",
