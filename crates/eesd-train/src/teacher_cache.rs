@@ -165,26 +165,14 @@ impl TeacherCache {
                 .map_err(|e| TrainError::TensorData(format!("{e:?}")))?;
             Ok(values.iter().flat_map(|v| v.to_le_bytes()).collect())
         };
-        let mut data: Vec<(String, Vec<usize>, Dtype, Vec<u8>)> = vec![(
-            "tokens".into(),
-            vec![teacher.tokens().len()],
-            Dtype::U32,
-            teacher
-                .tokens()
-                .iter()
-                .flat_map(|t| t.to_le_bytes())
-                .collect(),
-        )];
-        data.push((
-            "argmax".into(),
-            vec![teacher.argmax().len()],
-            Dtype::U32,
-            teacher
-                .argmax()
-                .iter()
-                .flat_map(|t| t.to_le_bytes())
-                .collect(),
-        ));
+        let ids = |name: &str, ids: &[u32]| {
+            let bytes = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+            (name.to_string(), vec![ids.len()], Dtype::U32, bytes)
+        };
+        let mut data: Vec<(String, Vec<usize>, Dtype, Vec<u8>)> = vec![
+            ids("tokens", teacher.tokens()),
+            ids("argmax", teacher.argmax()),
+        ];
         for (n, t) in teacher.states() {
             data.push((
                 format!("layer.{n}"),
