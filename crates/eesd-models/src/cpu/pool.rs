@@ -33,26 +33,12 @@ pub struct Pool {
 struct Shared {
     epoch: AtomicUsize,
     job: UnsafeCell<Job>,
-    /// Workers that have not yet finished with the current job (on a line of its own: the
-    /// workers write it while the caller spins on it, and the job's line stays read-only).
-    active: Line<AtomicUsize>,
+    /// Workers that have not yet finished with the current job.
+    active: AtomicUsize,
     panicked: AtomicBool,
     sleeping: AtomicUsize,
     lock: Mutex<()>,
     wake: Condvar,
-}
-
-/// A value alone on its cache line (and the adjacent-line prefetcher's pair), so that threads
-/// writing it do not take a line other threads read for something else. Matters most where
-/// the threads sit on different core complexes (a line's trip between them ≈ 150 ns).
-#[repr(align(128))]
-struct Line<T>(T);
-
-impl<T> std::ops::Deref for Line<T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        &self.0
-    }
 }
 
 // SAFETY: `job` is written only by the submitter while holding `submit` and while no worker
@@ -95,7 +81,7 @@ impl Pool {
                 tasks: 0,
                 next: std::ptr::null(),
             }),
-            active: Line(AtomicUsize::new(0)),
+            active: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
             sleeping: AtomicUsize::new(0),
             lock: Mutex::new(()),
@@ -135,7 +121,7 @@ impl Pool {
             }
         };
         let s = &*self.shared;
-        let next = Line(AtomicUsize::new(0));
+        let next = AtomicUsize::new(0);
         // SAFETY: the previous job is finished (`active == 0`, checked at the end of the last
         // run), so no worker reads `job` now; the lifetime erasure is sound because this call
         // does not return before every worker is done with the pointers.
@@ -144,7 +130,7 @@ impl Pool {
             *s.job.get() = Job {
                 task,
                 tasks,
-                next: &*next,
+                next: &next,
             };
         }
         s.active.store(self.threads - 1, Ordering::SeqCst);
