@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use burn::module::{Module, Param};
-use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn::tensor::{DType, Tensor};
 use eesd_core::{DraftHead, DraftLogits, LookaheadDraft, LookaheadHead};
 
 use crate::cache::LayerCache;
@@ -88,14 +88,6 @@ impl VocabSubset {
     pub fn is_empty(&self) -> bool {
         self.ids.is_empty()
     }
-
-    /// The rows of an LM head `[vocab, hidden]` for these ids.
-    fn rows_of(&self, lm_head: &Tensor<2>) -> Tensor<2> {
-        let ids: Vec<i32> = self.ids.iter().map(|&i| i as i32).collect();
-        let ids =
-            Tensor::<1, Int>::from_data(TensorData::new(ids, [self.ids.len()]), &lm_head.device());
-        lm_head.clone().select(0, ids)
-    }
 }
 
 /// The output projection of a head: the model's LM head, whole or restricted to a subset.
@@ -115,18 +107,10 @@ struct Projection {
 impl Projection {
     fn new(model: &Llama, subset: Option<&VocabSubset>) -> Result<Self> {
         let ids = subset.map(|s| s.ids.clone());
-        let native = match (model.native_lm_head(), &ids) {
-            (Some(q), None) => Some(q.clone()),
-            (Some(q), Some(ids)) => Some(Arc::new(
-                q.select_rows(ids)
-                    .map_err(|e| ModelError::InvalidArgument(e.to_string()))?,
-            )),
-            (None, _) => None,
-        };
-        let weight = match (&native, subset) {
-            (Some(q), _) => lazy_param(q.clone(), model.device()),
-            (None, None) => Param::from_tensor(model.lm_head().clone()),
-            (None, Some(s)) => Param::from_tensor(s.rows_of(model.lm_head())),
+        let (native, weight) = match (subset, model.native_lm_head()) {
+            (Some(s), _) => model.lm_head_rows(&s.ids)?.into_parts(),
+            (None, Some(q)) => (Some(q.clone()), lazy_param(q.clone(), model.device())),
+            (None, None) => (None, Param::from_tensor(model.lm_head().clone())),
         };
         Ok(Projection {
             weight,

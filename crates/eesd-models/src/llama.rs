@@ -106,6 +106,15 @@ impl LmHeadRows {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// The rows in the file's block format (native weights) and as a dense parameter (lazily
+    /// dequantized from those blocks, or the dense rows themselves): a head's projection.
+    pub(crate) fn into_parts(self) -> (Option<Arc<QuantMatrix>>, Param<Tensor<2>>) {
+        match self.rows {
+            HeadRows::Native(q, dense) => (Some(q), dense),
+            HeadRows::Dense(w) => (None, Param::from_tensor(w)),
+        }
+    }
 }
 
 /// Position-table values any model may have (16 MiB of f32), whatever its embedding's size.
