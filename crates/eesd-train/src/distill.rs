@@ -582,7 +582,6 @@ impl<'m> Distiller<'m> {
         Ok(())
     }
 
-    /// Teacher log-probabilities over the draft vocabulary `[t, n]`, on the plain device.
     /// Student log-probabilities `[r, n]` on the training device for the teacher's block, and
     /// for each student row the teacher row whose distribution it learns: the same row for a
     /// chain head; for a lookahead head, which reads a position's state and the token after

@@ -4,13 +4,14 @@
 //! pass of the frozen model over its block: most of a step's time on a CPU. A [`TeacherCache`]
 //! keeps, per block, the hidden states the heads read (after each exit layer below the last, and
 //! after the last layer, from which the logits follow) and the full model's greedy tokens, so
-//! that later passes only compute the logits of the heads' draft vocabularies. A [`Teacher`] read back equals the one the forward pass gives, bit
-//! for bit, so a run with a cache trains exactly the head a run without one trains.
+//! that later passes only compute the logits of the heads' draft vocabularies. A [`Teacher`]
+//! read back equals the one the forward pass gives, bit for bit, so a run with a cache trains
+//! exactly the head a run without one trains.
 //!
 //! One safetensors file per block (`KEY.safetensors`: the block's token ids, its states in f32
 //! as `layer.N`, the greedy tokens as `argmax` (a file written before they were kept has them
-//! computed again on reading), and in the metadata the sequence lengths and the teacher's identity, e.g. the
-//! model file's SHA-256 and weight format). A file that is missing, unreadable, for other
+//! computed again on reading), and in the metadata the sequence lengths and the teacher's
+//! identity, e.g. the model file's SHA-256 and weight format). A file that is missing, unreadable, for other
 //! tokens, another teacher or fewer layers is computed again and replaced; files are written
 //! with [`eesd_models::write_atomically`], so a killed run leaves whole files or none (and at most
 //! a `.partial` scratch file, never read). Size: `4 · hidden · (exit layers below the last + 1)`
