@@ -10,6 +10,9 @@
 //! pass (best of `--reps`, taken round the block sizes, after a chat prompt), its ratio to one
 //! token, the roofline time `max(bytes / bandwidth, flops / FMA peak + int8 ops / int8 peak)`
 //! (int8 ops: the natively quantized matrices' products) and efficiency = roofline / measured.
+//! With `--steps` (flex) it also splits the best pass of each block by step of the decoder
+//! layers (norms, products, RoPE, attention, gating, residuals, summed over the layers) and
+//! the rest outside them (embedding, final norm, LM head).
 
 #[path = "common/cli.rs"]
 mod cli;
@@ -19,7 +22,7 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::Parser;
 use eesd::core::Backend;
-use eesd::models::cpu::{Roofline, roofline};
+use eesd::models::cpu::{Roofline, roofline, steps};
 use eesd::models::{LoadOptions, LoadedModel, WeightDType, fetch};
 
 #[derive(Parser, Debug)]
@@ -40,6 +43,9 @@ struct Args {
     /// Repetitions per block size (the best is kept).
     #[arg(long, default_value_t = 10, value_parser = cli::at_least_one)]
     reps: usize,
+    /// Time each step of the decoder layers in the best pass of each block (flex).
+    #[arg(long)]
+    steps: bool,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -52,8 +58,9 @@ fn main() -> Result<()> {
     let cpu = matches!(args.device, Backend::Flex | Backend::Tch);
     let before = cpu.then(Roofline::measure);
     let path = fetch::resolve_model(None)?;
-    // (dtype, block, past, best seconds, cost) per measurement.
+    // (dtype, block, past, best seconds, cost, steps of the best pass) per measurement.
     let mut timings = Vec::new();
+    steps::record(args.steps);
     for &dtype in &args.dtypes {
         let options = LoadOptions {
             dtype,
@@ -73,19 +80,24 @@ fn main() -> Result<()> {
         let past = prompt.len();
         // Repetitions go round the block sizes, so that a spell of stolen time on a shared
         // host spoils one repetition of each size rather than every repetition of one.
-        let mut best = vec![f64::INFINITY; args.blocks.len()];
+        let mut best = vec![(f64::INFINITY, Vec::new()); args.blocks.len()];
         for _ in 0..args.reps {
             for (&block, best) in args.blocks.iter().zip(best.iter_mut()) {
                 let tokens: Vec<u32> = (0..block as u32).map(|i| 100 + i).collect();
                 cache.truncate(past);
+                let _ = steps::take();
                 let start = Instant::now();
                 let logits = m.forward(&tokens, &mut cache)?;
                 let _ = logits.into_data();
-                *best = best.min(start.elapsed().as_secs_f64());
+                let seconds = start.elapsed().as_secs_f64();
+                let steps = steps::take();
+                if seconds < best.0 {
+                    *best = (seconds, steps);
+                }
             }
         }
-        for (&block, best) in args.blocks.iter().zip(best) {
-            timings.push((dtype, block, past, best, m.forward_cost(block, past)));
+        for (&block, (best, steps)) in args.blocks.iter().zip(best) {
+            timings.push((dtype, block, past, best, m.forward_cost(block, past), steps));
         }
     }
     // The machine's limits: the best of a measurement before and one after the blocks.
@@ -95,7 +107,7 @@ fn main() -> Result<()> {
     }
     let mut rows = Vec::new();
     let mut one = None;
-    for (dtype, block, past, best, cost) in timings {
+    for (dtype, block, past, best, cost, steps) in timings {
         if block == args.blocks[0] {
             one = Some(best);
         }
@@ -124,6 +136,19 @@ fn main() -> Result<()> {
                 limit * 1e3,
                 limit / best
             );
+        }
+        if args.steps {
+            let inside: f64 = steps.iter().map(|(_, s)| s).sum();
+            let mut split = serde_json::Map::new();
+            let mut text = String::from("      steps ms:");
+            for (step, s) in &steps {
+                split.insert(step.name().into(), (s * 1e3).into());
+                text += &format!(" {} {:.2}", step.name(), s * 1e3);
+            }
+            split.insert("outside_layers".into(), ((best - inside) * 1e3).into());
+            text += &format!(", outside the layers {:.2}", (best - inside) * 1e3);
+            row["steps_ms"] = split.into();
+            line += &format!("\n{text}");
         }
         if !args.json {
             println!("{line}");

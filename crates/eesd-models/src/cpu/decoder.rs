@@ -23,6 +23,7 @@ use super::pool::Pool;
 use super::q8::{Q8Rows, RowWriter};
 use super::qmatmul::QuantMatrix;
 use super::rows::{rms_norm, rope, silu_mul};
+use super::steps::{Laps, Step};
 use eesd_core::TreeMask;
 
 use crate::cache::LayerCache;
@@ -281,6 +282,7 @@ fn run(
             act,
             acts,
         } = scratch;
+        let mut laps = Laps::start();
         // Attention half.
         let normed = sized(normed, t * h);
         let quantized = w.wqkv.quantized();
@@ -292,7 +294,9 @@ fn run(
         );
         let qkv_w = (nh + 2 * nkv) * d;
         let qkv = sized(qkv, t * qkv_w);
+        laps.done(Step::AttnNorm);
         product(&w.wqkv, normed, quantized.then_some(&*acts), qkv)?;
+        laps.done(Step::Qkv);
         let attended = sized(attended, t * nh * d);
         for s in seqs.iter_mut() {
             let past = s.cache.as_ref().map_or(0, |c| c.len());
@@ -307,6 +311,7 @@ fn run(
                     rope(&mut row[..(nh + nkv) * d], d, cos, sin);
                 }
             });
+            laps.done(Step::Rope);
             let dtype = layer.kv_dtype();
             let mut local = HostKv::new(dtype, nkv, d);
             let kv = match s.cache.as_deref_mut() {
@@ -331,6 +336,7 @@ fn run(
             if let Some(cache) = s.cache.as_deref_mut() {
                 cache.set_len(past + n);
             }
+            laps.done(Step::Attention);
         }
         let projected = sized(projected, t * h);
         // The attended rows quantized in parallel where the output projection reads 8 bits.
@@ -344,10 +350,13 @@ fn run(
                 }
             });
         }
+        laps.done(Step::AttendedQuant);
         product(&w.wo, attended, quantized.then_some(&*acts), projected)?;
+        laps.done(Step::OutProj);
         x.iter_mut()
             .zip(projected.iter())
             .for_each(|(a, b)| *a += b);
+        laps.done(Step::Residual);
 
         // MLP half.
         if let Some((w_gate_up, w_down)) = &w.mlp {
@@ -360,7 +369,9 @@ fn run(
             );
             let ffn = w_gate_up.out() / 2;
             let gate_up = sized(gate_up, t * 2 * ffn);
+            laps.done(Step::MlpNorm);
             product(w_gate_up, normed, quantized.then_some(&*acts), gate_up)?;
+            laps.done(Step::GateUp);
             let act = sized(act, t * ffn);
             let quantized = w_down.quantized();
             let q8 = quantized.then(|| acts.writer(t, ffn));
@@ -375,10 +386,13 @@ fn run(
                     }
                 }
             });
+            laps.done(Step::Gating);
             product(w_down, act, quantized.then_some(&*acts), projected)?;
+            laps.done(Step::Down);
             x.iter_mut()
                 .zip(projected.iter())
                 .for_each(|(a, b)| *a += b);
+            laps.done(Step::Residual);
         }
         Ok(())
     })

@@ -26,6 +26,7 @@ pub mod qmatmul;
 mod qpanel;
 pub mod roofline;
 pub mod rows;
+pub mod steps;
 
 #[cfg(feature = "flex")]
 pub(crate) use flex::flex_f32;
