@@ -136,29 +136,108 @@ impl RowWriter<'_> {
 /// mantissa bits.
 const MAGIC: f32 = 12_582_912.0;
 
-simd_fn! {
-    /// Quantizes one row: per sub-block, `d = max|x| / 127` and `q = round(x · 127 / max|x|)`.
-    fn quantize_row(x: &[f32], q: &mut [i8], d: &mut [f32]) {
-        for ((x, q), d) in x.chunks_exact(SUB).zip(q.chunks_exact_mut(SUB)).zip(d.iter_mut()) {
-            // The maximum in 8 lanes, as compare-and-select (which vectorises; `f32::max`
-            // does not), then across them: a maximum is exact in any order.
-            let mut lanes = [0f32; 8];
-            for c in x.chunks_exact(8) {
-                for (m, &v) in lanes.iter_mut().zip(c) {
-                    let a = v.abs();
-                    *m = if a > *m { a } else { *m };
-                }
-            }
-            let amax = lanes.iter().fold(0f32, |m, &v| if v > m { v } else { m });
-            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-            *d = amax / 127.0;
-            for (q, &v) in q.iter_mut().zip(x) {
-                let r = (v * inv).round_ties_even().clamp(-127.0, 127.0);
-                // `r` is a small integer, so `r + 1.5·2²³` is exact and its low mantissa bits
-                // hold it: a conversion that vectorises, where `as` saturates lane by lane.
-                *q = ((r + MAGIC).to_bits() as i32 - MAGIC.to_bits() as i32) as i8;
+/// Quantizes one row: per sub-block, `d = max|x| / 127` and `q = round(x · 127 / max|x|)`
+/// ([`quantize_row_portable`] is the definition; the AVX2 path gives the same codes and scales).
+fn quantize_row(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::Isa::detect() != super::Isa::Portable {
+        // SAFETY: `detect` reports AVX2 only when the CPU has it.
+        unsafe { quantize_row_avx2(x, q, d) };
+        return;
+    }
+    quantize_row_portable(x, q, d);
+}
+
+/// [`quantize_row`]'s definition, one value at a time.
+fn quantize_row_portable(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    for ((x, q), d) in x
+        .chunks_exact(SUB)
+        .zip(q.chunks_exact_mut(SUB))
+        .zip(d.iter_mut())
+    {
+        // The maximum as compare-and-select in 8 lanes, then across them (a NaN never wins a
+        // comparison, and the lanes never hold one: any order gives the same maximum).
+        let mut lanes = [0f32; 8];
+        for c in x.chunks_exact(8) {
+            for (m, &v) in lanes.iter_mut().zip(c) {
+                let a = v.abs();
+                *m = if a > *m { a } else { *m };
             }
         }
+        let amax = lanes.iter().fold(0f32, |m, &v| if v > m { v } else { m });
+        let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        *d = amax / 127.0;
+        for (q, &v) in q.iter_mut().zip(x) {
+            let r = (v * inv).round_ties_even().clamp(-127.0, 127.0);
+            // `r` is a small integer, so `r + 1.5·2²³` is exact and its low mantissa bits
+            // hold it (the low byte of `MAGIC`'s bits is 0).
+            *q = ((r + MAGIC).to_bits() as i32 - MAGIC.to_bits() as i32) as i8;
+        }
+    }
+}
+
+/// [`quantize_row`] with AVX2, sub-block by sub-block in four registers of 8: the same
+/// operations lane for lane (`max(a, m)` is `a > m ? a : m`, the clamp keeps NaN as `clamp`
+/// does, and a code is the low byte of `r + 1.5·2²³`), so the same codes and scales; the
+/// compiler left the maximum scalar, ≈ 0.6 ns a value.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_row_avx2(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let abs = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MAX));
+    let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+    let magic = _mm256_set1_ps(MAGIC);
+    // The low byte of each 32-bit lane, gathered in each 128-bit half.
+    let low_bytes = _mm256_setr_epi8(
+        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, //
+        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+    );
+    for ((x, q), d) in x
+        .chunks_exact(SUB)
+        .zip(q.chunks_exact_mut(SUB))
+        .zip(d.iter_mut())
+    {
+        // SAFETY: `x` holds 32 values, read 8 at a time.
+        let v: [__m256; 4] =
+            std::array::from_fn(|c| unsafe { _mm256_loadu_ps(x[8 * c..].as_ptr()) });
+        let mut lanes = _mm256_setzero_ps();
+        for v in v {
+            lanes = _mm256_max_ps(_mm256_and_ps(v, abs), lanes);
+        }
+        let half = _mm_max_ps(
+            _mm256_castps256_ps128(lanes),
+            _mm256_extractf128_ps::<1>(lanes),
+        );
+        let pair = _mm_max_ps(half, _mm_movehl_ps(half, half));
+        let amax = _mm_cvtss_f32(_mm_max_ss(pair, _mm_movehdup_ps(pair)));
+        let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        *d = amax / 127.0;
+        let inv = _mm256_set1_ps(inv);
+        let codes: [__m256i; 4] = v.map(|v| {
+            let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm256_mul_ps(v, inv),
+            );
+            let r = _mm256_min_ps(hi, _mm256_max_ps(lo, r));
+            _mm256_shuffle_epi8(_mm256_castps_si256(_mm256_add_ps(r, magic)), low_bytes)
+        });
+        // Each register's 8 codes sit in bytes 0..4 of either half: join them in order.
+        let fours: [i32; 8] = std::array::from_fn(|i| {
+            let c = codes[i / 2];
+            match i % 2 {
+                0 => _mm256_extract_epi32::<0>(c),
+                _ => _mm256_extract_epi32::<4>(c),
+            }
+        });
+        // SAFETY: `q` holds 32 codes, written as 8 groups of 4 bytes.
+        unsafe {
+            _mm256_storeu_si256(
+                q.as_mut_ptr().cast(),
+                _mm256_loadu_si256(fours.as_ptr().cast()),
+            )
+        };
     }
 }
 
@@ -203,6 +282,49 @@ unsafe fn half_sums_avx2(q: &[i8], sums: &mut [i32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The AVX2 quantizer gives the definition's codes and scales, bit for bit, on ordinary
+    /// and awkward values (NaN, ±∞, ±0, subnormals, ties at .5, values past ±127 steps).
+    #[test]
+    fn avx2_quantizer_matches_the_definition() {
+        #[cfg(target_arch = "x86_64")]
+        if super::super::Isa::detect() != super::super::Isa::Portable {
+            let mut rows: Vec<Vec<f32>> = vec![
+                (0..4 * SUB)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.031)
+                    .collect(),
+                (0..SUB).map(|i| i as f32 * 0.5 - 8.0).collect(),
+                vec![0.0; SUB],
+                vec![-0.0; SUB],
+                (0..SUB)
+                    .map(|i| {
+                        if i % 3 == 0 {
+                            f32::MIN_POSITIVE / 4.0
+                        } else {
+                            -1e-40
+                        }
+                    })
+                    .collect(),
+            ];
+            for special in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -f32::NAN, 3e38] {
+                let mut row: Vec<f32> = (0..SUB).map(|i| (i as f32 - 15.5) * 0.25).collect();
+                row[7] = special;
+                row[30] = -special;
+                rows.push(row);
+            }
+            for x in rows {
+                let n = x.len() / SUB;
+                let (mut q0, mut d0) = (vec![0i8; x.len()], vec![0f32; n]);
+                let (mut q1, mut d1) = (vec![1i8; x.len()], vec![1f32; n]);
+                quantize_row_portable(&x, &mut q0, &mut d0);
+                // SAFETY: the CPU has AVX2 (checked above).
+                unsafe { quantize_row_avx2(&x, &mut q1, &mut d1) };
+                assert_eq!(q0, q1, "{x:?}");
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&d0), bits(&d1), "{x:?}");
+            }
+        }
+    }
 
     #[test]
     fn half_sums_are_exact() {
