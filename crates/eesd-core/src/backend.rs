@@ -92,6 +92,10 @@ impl Backend {
 /// become an error here instead of a panic in the middle of a program.
 #[cfg(feature = "tch")]
 fn libtorch_cuda() -> Result<Device, CoreError> {
+    // burn 0.22 marks its LibTorch devices deprecated in favour of CubeCL ones; the LibTorch
+    // backend stays here while burn ships it (and CUDA through it is what builds for users
+    // whose machines cannot fetch cubecl's LLVM).
+    #[allow(deprecated)]
     let device = Device::libtorch_cuda(0);
     let probe = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         burn::tensor::Tensor::<1>::zeros([1], &device).into_data()
