@@ -19,7 +19,7 @@ use super::flex::flex_f32;
 use super::lanes::WeightElement;
 use super::matmul::ShapeError;
 use super::packed::PackedWeight;
-use super::pool::Pool;
+use super::pool::{Disjoint, Pool};
 use super::q8::{Q8Rows, RowWriter};
 use super::qmatmul::QuantMatrix;
 use super::rows::{rms_norm, rope, silu_mul};
@@ -258,18 +258,39 @@ fn run(
             .map_err(|e| ModelError::InvalidArgument(e.to_string()))
     };
     // Normalised rows, each also quantized into `q8` by the task that made it (where the next
-    // product reads 8-bit rows): no pass over the block on one thread in between.
-    let norm_rows = |x: &[f32], gain: &[f32], out: &mut [f32], q8: Option<&RowWriter<'_>>| {
+    // product reads 8-bit rows): no pass over the block on one thread in between. With `add`,
+    // the task first adds its rows of `add` onto `x` (a residual): the sum never waits on one
+    // thread, and each row is read where it is normalised.
+    let norm_rows = |x: &mut [f32],
+                     add: Option<&[f32]>,
+                     gain: &[f32],
+                     out: &mut [f32],
+                     q8: Option<&RowWriter<'_>>| {
+        let x = Disjoint(x.as_mut_ptr());
         pool.for_each_chunk(out, per_task * h, &|i, rows| {
             let first = i * per_task * h;
             for (r, o) in rows.chunks_exact_mut(h).enumerate() {
                 let at = first + r * h;
-                rms_norm(&x[at..at + h], gain, eps, o);
+                // SAFETY: row `at / h` of `x` (`t` rows of `h`) is this task's alone.
+                let row = unsafe { x.slice(at, h) };
+                if let Some(add) = add {
+                    row.iter_mut()
+                        .zip(&add[at..at + h])
+                        .for_each(|(a, b)| *a += b);
+                }
+                rms_norm(row, gain, eps, o);
                 if let Some(q8) = q8 {
                     // SAFETY: row `at / h` is this task's alone, below `t`.
                     unsafe { q8.row(at / h, o) };
                 }
             }
+        });
+    };
+    // `x += y`, rows spread over the pool like the other per-row steps.
+    let add_rows = |x: &mut [f32], y: &[f32]| {
+        pool.for_each_chunk(x, per_task * h, &|i, rows| {
+            let first = i * per_task * h;
+            rows.iter_mut().zip(&y[first..]).for_each(|(a, b)| *a += b);
         });
     };
     SCRATCH.with_borrow_mut(|scratch| {
@@ -288,6 +309,7 @@ fn run(
         let quantized = w.wqkv.quantized();
         norm_rows(
             x,
+            None,
             attn_norm,
             normed,
             quantized.then(|| acts.writer(t, h)).as_ref(),
@@ -353,16 +375,13 @@ fn run(
         laps.done(Step::AttendedQuant);
         product(&w.wo, attended, quantized.then_some(&*acts), projected)?;
         laps.done(Step::OutProj);
-        x.iter_mut()
-            .zip(projected.iter())
-            .for_each(|(a, b)| *a += b);
-        laps.done(Step::Residual);
 
-        // MLP half.
+        // MLP half: its norm's tasks add the attention's residual first.
         if let Some((w_gate_up, w_down)) = &w.mlp {
             let quantized = w_gate_up.quantized();
             norm_rows(
                 x,
+                Some(projected),
                 mlp_norm,
                 normed,
                 quantized.then(|| acts.writer(t, h)).as_ref(),
@@ -389,9 +408,10 @@ fn run(
             laps.done(Step::Gating);
             product(w_down, act, quantized.then_some(&*acts), projected)?;
             laps.done(Step::Down);
-            x.iter_mut()
-                .zip(projected.iter())
-                .for_each(|(a, b)| *a += b);
+            add_rows(x, projected);
+            laps.done(Step::Residual);
+        } else {
+            add_rows(x, projected);
             laps.done(Step::Residual);
         }
         Ok(())

@@ -26,9 +26,10 @@ pub enum Step {
     AttendedQuant,
     /// The output projection.
     OutProj,
-    /// Both residual additions.
+    /// The residual additions made on their own (the MLP's, or the attention's in a layer
+    /// without its MLP half).
     Residual,
-    /// RMS norm before the MLP.
+    /// The attention's residual added, then RMS norm before the MLP (and its 8-bit rows).
     MlpNorm,
     /// The fused gate and up product.
     GateUp,
