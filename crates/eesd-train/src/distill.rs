@@ -203,7 +203,7 @@ struct Target {
 fn softmax_rows(mut logits: Vec<f32>, width: usize) -> (Vec<f32>, f64) {
     let mut neg_entropy = 0.0;
     for row in logits.chunks_exact_mut(width.max(1)) {
-        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let max = eesd_models::cpu::rows::max(row);
         // Σ e^s and Σ e^s · s with s = l − max: Σ p log p = Σ e^s s / Σ e^s − ln Σ e^s. The
         // weighted sum in eight interleaved f64 partial sums, as `sum_f64` does.
         let mut partial = [0f64; 8];
