@@ -30,6 +30,7 @@ enum Store {
     Empty,
     /// `[kv_heads, capacity, head_dim]` buffers.
     Tensors(Box<(Tensor<3>, Tensor<3>)>),
+#[cfg_attr(not(feature = "flex"), allow(dead_code))] // used by the flex decoder only
     Host(HostKv),
 }
 
@@ -152,6 +153,7 @@ impl LayerCache {
     /// The host store of `dtype` for `kv_heads` heads of width `d`, with room for positions up
     /// to `end`; the caller writes positions `len()..end` and then calls
     /// [`LayerCache::set_len`]. A store of the other dtype is converted.
+    #[cfg_attr(not(feature = "flex"), allow(dead_code))] // used by the flex decoder only
     pub(crate) fn host_store(
         &mut self,
         kv_heads: usize,
@@ -206,12 +208,14 @@ impl LayerCache {
     }
 
     /// Sets the number of cached positions after [`LayerCache::host_store`] was filled.
+    #[cfg_attr(not(feature = "flex"), allow(dead_code))] // used by the flex decoder only
     pub(crate) fn set_len(&mut self, len: usize) {
         self.len = len;
     }
 }
 
 impl Store {
+    #[cfg_attr(not(feature = "flex"), allow(dead_code))] // used by the flex decoder only
     fn insert_host(&mut self, host: HostKv) -> &mut HostKv {
         *self = Store::Host(host);
         match self {
@@ -223,6 +227,7 @@ impl Store {
 
 /// A host store of `dtype` of the first `len` positions of `[kv_heads, capacity, head_dim]`
 /// tensors.
+#[cfg_attr(not(feature = "flex"), allow(dead_code))] // used by the flex decoder only
 fn from_tensors(k: &Tensor<3>, v: &Tensor<3>, len: usize, dtype: KvDtype) -> Result<HostKv> {
     let [heads, _, dim] = k.dims();
     let rows = |t: &Tensor<3>| -> Result<Vec<f32>> {

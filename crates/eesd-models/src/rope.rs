@@ -69,6 +69,7 @@ impl Rope {
     }
 
     /// The full `(cos, sin)` tables, `[context, head_dim]` each.
+    #[cfg_attr(not(feature = "flex"), allow(dead_code))] // used by the flex decoder only
     pub(crate) fn tables(&self) -> (&Tensor<2>, &Tensor<2>) {
         (&self.cos, &self.sin)
     }

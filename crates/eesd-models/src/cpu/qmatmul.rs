@@ -270,6 +270,7 @@ impl QuantMatrix {
     /// `y = x · wᵀ` for rows already quantized into `acts` (by [`Q8Rows::quantize_into`] or
     /// a [`Q8Rows::writer`]), on the process-wide [`Pool`] with the detected [`Isa`]: the same
     /// bits as [`QuantMatrix::matmul`] on the rows they came from.
+    #[cfg_attr(not(feature = "flex"), allow(dead_code))] // used by the flex decoder only
     pub(crate) fn matmul_quantized(&self, acts: &Q8Rows, y: &mut [f32]) -> Result<(), ShapeError> {
         if acts.k != self.k || acts.rows.checked_mul(self.out) != Some(y.len()) {
             return Err(ShapeError::Operands {

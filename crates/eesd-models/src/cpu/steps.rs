@@ -92,8 +92,10 @@ pub fn take() -> Vec<(Step, f64)> {
 
 /// A clock over consecutive steps of one layer: each [`Laps::done`] charges the time since the
 /// previous one to a step. Inert unless [`record`] was switched on when it started.
+#[cfg_attr(not(feature = "flex"), allow(dead_code))] // used by the flex decoder only
 pub(crate) struct Laps(Option<Instant>);
 
+#[cfg_attr(not(feature = "flex"), allow(dead_code))] // used by the flex decoder only
 impl Laps {
     pub(crate) fn start() -> Laps {
         Laps(ON.load(Ordering::Relaxed).then(Instant::now))
