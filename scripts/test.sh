@@ -36,8 +36,8 @@ if cargo tree -p eesd --no-default-features --features flex -e normal | grep -E 
   exit 1
 fi
 if [ "${EESD_SKIP_TCH:-0}" != 1 ]; then
-  # Reference logits/greedy, loading and tiny-model EESD tests on LibTorch (the long
+  # Reference logits/greedy, loading and tiny-model EESD and tree tests on LibTorch (the long
   # Spec-Bench identity tests run once, on flex, above).
   EESD_TEST_BACKEND=tch cargo test --release --workspace --features "$features" \
-    --test golden --test loading --test eesd_tiny
+    --test golden --test loading --test eesd_tiny --test tree_tiny
 fi

@@ -30,7 +30,7 @@ enum Store {
     Empty,
     /// `[kv_heads, capacity, head_dim]` buffers.
     Tensors(Box<(Tensor<3>, Tensor<3>)>),
-#[cfg_attr(not(feature = "flex"), allow(dead_code))] // used by the flex decoder only
+    #[cfg_attr(not(feature = "flex"), allow(dead_code))] // used by the flex decoder only
     Host(HostKv),
 }
 

@@ -12,11 +12,6 @@ use eesd_bandit::Policy;
 use eesd_core::{DraftHead, GenerationConfig, GenerationOutput, Generator, Mode};
 use eesd_models::{Llama, LoadedModel, NormHead, WeightDType};
 
-/// Whether the tests run on flex, whose kernels promise bit-identical blocks (LibTorch does not).
-fn on_flex() -> bool {
-    std::env::var("EESD_TEST_BACKEND").map_or(true, |b| b == "flex")
-}
-
 fn logits_of(m: &LoadedModel, prefix: &[u32], block: &[u32], one_at_a_time: bool) -> Vec<f32> {
     let mut cache = m.model.new_cache();
     m.model.forward(prefix, &mut cache).unwrap();

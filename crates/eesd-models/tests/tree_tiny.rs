@@ -7,7 +7,9 @@ mod common;
 
 use std::ops::ControlFlow;
 
-use common::{assert_same_distribution, sampled_histogram, tiny, tiny_quantized};
+use common::{
+    assert_rows_match, assert_same_distribution, on_flex, sampled_histogram, tiny, tiny_quantized,
+};
 use eesd_core::drafters::{DrafterSpec, HeadDrafter};
 use eesd_core::{
     DraftTree, Drafter, GenerationConfig, GenerationOutput, Generator, LayeredModel, Mode,
@@ -158,14 +160,15 @@ fn after_a_round_the_cache_holds_only_the_accepted_path() {
     let mut plain = model.new_cache();
     let path = [PROMPT.as_slice(), &[50, 51, 77]].concat();
     let want = to_rows(model.forward(&path, &mut plain).unwrap());
-    assert_eq!(next[0], want[8], "logits after the kept path");
+    assert_rows_match(&next[0], &want[8], "logits after the kept path");
     // Each tree row saw exactly its path: row 3 (51 after 50) equals AR's position 7.
-    assert_eq!(tree_logits[3], want[7]);
-    assert_eq!(tree_logits[5], {
+    assert_rows_match(&tree_logits[3], &want[7], "tree row 3");
+    let want5 = {
         let mut c = model.new_cache();
         let p = [PROMPT.as_slice(), &[50, 51, 52]].concat();
         to_rows(model.forward(&p, &mut c).unwrap())[8].clone()
-    });
+    };
+    assert_rows_match(&tree_logits[5], &want5, "tree row 5");
     // Bad keeps are errors, not panics.
     assert!(LayeredModel::keep_rows(&model, &mut cache, 0..1, 5, &[2, 1]).is_err());
     assert!(LayeredModel::keep_rows(&model, &mut cache, 0..1, 5, &[0, 99]).is_err());
@@ -422,7 +425,11 @@ fn a_lookahead_head_sees_every_committed_position_once_in_order() {
                 &mut cache,
             )
             .unwrap();
-        assert_eq!(states, to_rows(expected), "layer {n}");
+        let expected = to_rows(expected);
+        assert_eq!(states.len(), expected.len(), "layer {n}");
+        for (i, (seen, want)) in states.iter().zip(&expected).enumerate() {
+            assert_rows_match(seen, want, &format!("layer {n}, position {i}"));
+        }
     }
 }
 
@@ -522,7 +529,8 @@ fn a_head_drafting_from_q8_0_copies_keeps_trees_lossless() {
     let dense = lookahead_head(&model, layers);
     assert_eq!(dense.weights().layer.native.bytes(), 0);
     let q8 = lookahead_head(&model, layers).with_q8_0_drafts().unwrap();
-    assert!(q8.weights().layer.native.bytes() > 0);
+    // Other backends keep drafting from the dense weights (documented); trees stay lossless.
+    assert_eq!(q8.weights().layer.native.bytes() > 0, on_flex());
     // Same draft, up to Q8_0 rounding, from the same states.
     let mut cache = model.new_cache();
     let h = model
@@ -552,7 +560,10 @@ fn a_head_drafting_from_q8_0_copies_keeps_trees_lossless() {
         .iter()
         .zip(&b)
         .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-    assert!(diff > 0.0 && diff < 0.05 * scale, "diff {diff} of {scale}");
+    assert!(
+        (diff > 0.0 || !on_flex()) && diff < 0.05 * scale,
+        "diff {diff} of {scale}"
+    );
     let ar_config = GenerationConfig {
         max_new_tokens: 40,
         ..Default::default()
