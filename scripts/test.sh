@@ -11,6 +11,8 @@ PS4='+ $(date +%T) '  # each step with its start time in the CI log
 set -x
 cargo fmt --all -- --check
 cargo clippy --release --workspace --all-targets --features train,vulkan,fusion -- -D warnings
+# A GPU-only build (no flex: its host kernels' callers are compiled out) lints clean too.
+cargo clippy --release --workspace --all-targets --no-default-features --features train,vulkan -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --workspace
 # LibTorch comes first so that one release build (flex and tch in the same binaries) serves the
 # flex tests, the examples, the fuzz seeds and the LibTorch tests: a second build with other burn

@@ -88,6 +88,7 @@ pub struct LmHeadRows {
 /// The rows themselves: in the file's block format (native weights, with a dense copy made
 /// only if a backend without the quantized kernel asks) or dense.
 #[derive(Debug, Clone)]
+#[allow(clippy::large_enum_variant)] // one per model; a burn tensor's size depends on the backends built
 enum HeadRows {
     Native(Arc<QuantMatrix>, Param<Tensor<2>>),
     Dense(Tensor<2>),

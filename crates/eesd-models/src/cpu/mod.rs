@@ -46,7 +46,9 @@ pub use roofline::Roofline;
 /// the same in every build.
 #[cfg(not(feature = "flex"))]
 #[derive(Debug, Clone, Default)]
-pub struct PackedCache;
+pub struct PackedCache {
+    _private: (),
+}
 
 /// Inputs shared by the kernels' tests.
 #[cfg(test)]
