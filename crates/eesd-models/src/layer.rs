@@ -440,8 +440,11 @@ impl DecoderLayer {
                 .reshape([t, n, d])
                 .swap_dims(0, 1)
         };
-        let q = rope.apply(heads(0, nh), &ctx.cos, &ctx.sin);
-        let k = rope.apply(heads(nh, nkv), &ctx.cos, &ctx.sin);
+        // Queries and keys rotate together, in one pass over their heads: the same elementwise
+        // arithmetic, half the operations (a GPU step is bound by their count, not their size).
+        let qk = rope.apply(heads(0, nh + nkv), &ctx.cos, &ctx.sin);
+        let q = qk.clone().narrow(0, 0, nh);
+        let k = qk.narrow(0, nh, nkv);
         let v = heads(nh + nkv, nkv);
         let packed = ctx.segments.len() > 1;
         if packed && cache.is_some() {
