@@ -22,7 +22,7 @@ use super::packed::PackedWeight;
 use super::pool::{Disjoint, Pool};
 use super::q8::{Q8Rows, RowWriter};
 use super::qmatmul::QuantMatrix;
-use super::rows::{rms_norm, rope, silu_mul};
+use super::rows::{add_assign, rms_norm, rope, silu_mul};
 use super::steps::{Laps, Step};
 use eesd_core::TreeMask;
 
@@ -274,9 +274,7 @@ fn run(
                 // SAFETY: row `at / h` of `x` (`t` rows of `h`) is this task's alone.
                 let row = unsafe { x.slice(at, h) };
                 if let Some(add) = add {
-                    row.iter_mut()
-                        .zip(&add[at..at + h])
-                        .for_each(|(a, b)| *a += b);
+                    add_assign(row, &add[at..at + h]);
                 }
                 rms_norm(row, gain, eps, o);
                 if let Some(q8) = q8 {
@@ -290,7 +288,7 @@ fn run(
     let add_rows = |x: &mut [f32], y: &[f32]| {
         pool.for_each_chunk(x, per_task * h, &|i, rows| {
             let first = i * per_task * h;
-            rows.iter_mut().zip(&y[first..]).for_each(|(a, b)| *a += b);
+            add_assign(rows, &y[first..]);
         });
     };
     SCRATCH.with_borrow_mut(|scratch| {
@@ -408,12 +406,10 @@ fn run(
             laps.done(Step::Gating);
             product(w_down, act, quantized.then_some(&*acts), projected)?;
             laps.done(Step::Down);
-            add_rows(x, projected);
-            laps.done(Step::Residual);
-        } else {
-            add_rows(x, projected);
-            laps.done(Step::Residual);
         }
+        // The MLP's residual, or the attention's in a layer without its MLP half.
+        add_rows(x, projected);
+        laps.done(Step::Residual);
         Ok(())
     })
 }

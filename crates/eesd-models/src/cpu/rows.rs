@@ -17,6 +17,12 @@ simd_fn! {
     }
 }
 
+/// `x += y`, element by element (a residual addition).
+#[inline(always)]
+pub fn add_assign(x: &mut [f32], y: &[f32]) {
+    x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+}
+
 /// The largest value of `x` (−∞ when empty; NaNs are passed over), in eight lanes that the
 /// compiler turns into vector max instructions.
 #[inline(always)]
