@@ -38,8 +38,9 @@ if cargo tree -p eesd --no-default-features --features flex -e normal | grep -E 
   exit 1
 fi
 if [ "${EESD_SKIP_TCH:-0}" != 1 ]; then
-  # Reference logits/greedy, loading and tiny-model EESD and tree tests on LibTorch (the long
-  # Spec-Bench identity tests run once, on flex, above).
+  # Reference logits/greedy, loading, tiny-model EESD and tree tests, and self-distillation
+  # (packed blocks, training, checkpoints, the teacher cache: the GPUs' training path) on
+  # LibTorch (the long Spec-Bench identity tests run once, on flex, above).
   EESD_TEST_BACKEND=tch cargo test --release --workspace --features "$features" \
-    --test golden --test loading --test eesd_tiny --test tree_tiny
+    --test golden --test loading --test eesd_tiny --test tree_tiny --test distill --test teacher_cache
 fi

@@ -249,3 +249,47 @@ pub fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
         .try_into_vec::<f32>()
         .expect("f32 tensor data")
 }
+
+/// The environment variable naming the backend tests run on (`flex`, `tch`, `tch-cuda`,
+/// `vulkan`, ...); unset, the build's default backend.
+pub const TEST_BACKEND_ENV: &str = "EESD_TEST_BACKEND";
+
+/// The device tests run on: `$EESD_TEST_BACKEND`, else the first backend compiled in
+/// ([`eesd_core::Backend::default_compiled`]). One switch for every test suite of the
+/// workspace, so that a CI run on LibTorch exercises the same tests as one on flex.
+pub fn test_device() -> Result<burn::tensor::Device> {
+    let invalid = |e: eesd_core::CoreError| ModelError::InvalidArgument(e.to_string());
+    let backend = match std::env::var(TEST_BACKEND_ENV) {
+        Ok(name) => name.parse::<eesd_core::Backend>().map_err(invalid)?,
+        Err(_) => eesd_core::Backend::default_compiled().ok_or_else(|| {
+            ModelError::InvalidArgument("this build has no backend compiled in".into())
+        })?,
+    };
+    backend.device().map_err(invalid)
+}
+
+/// Whether tests run on flex, the one backend with the CPU's own kernels (native quantized
+/// weights, Q8_0 drafts, blocks bit-identical to their rows by design).
+pub fn on_flex() -> bool {
+    match std::env::var(TEST_BACKEND_ENV) {
+        Ok(name) => name == "flex",
+        Err(_) => eesd_core::Backend::default_compiled() == Some(eesd_core::Backend::Flex),
+    }
+}
+
+/// Asserts that two runs of values are the same: bit for bit on flex, else within 1e-4 of the
+/// largest magnitude (LibTorch's and the GPUs' products choose their kernels, and so their
+/// summation order, by shape: a block or a shared pass differs from its parts in the last bits).
+pub fn assert_rows_match(a: &[f32], b: &[f32], what: &str) {
+    if on_flex() {
+        assert_eq!(a, b, "{what}");
+        return;
+    }
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let scale = a.iter().chain(b).fold(1f32, |m, x| m.max(x.abs()));
+    let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(
+        diff <= 1e-4 * scale,
+        "{what}: rows differ by {diff} (scale {scale})"
+    );
+}

@@ -5,8 +5,8 @@ use std::ops::ControlFlow;
 use burn::tensor::Tensor;
 use eesd_bandit::Policy;
 use eesd_core::sampling::SamplingParams;
-use eesd_core::{Backend, DraftHead, GenerationConfig, Generator, LookaheadHead, Mode};
-use eesd_models::testing::{tiny_config, tiny_gguf_bytes, values};
+use eesd_core::{DraftHead, GenerationConfig, Generator, LookaheadHead, Mode};
+use eesd_models::testing::{assert_rows_match, on_flex, tiny_config, tiny_gguf_bytes, values};
 use eesd_models::{
     AttentionContext, HeadKind, LayerHead, Llama, LoadOptions, LoadedModel, ModelError, VocabSubset,
 };
@@ -24,7 +24,7 @@ fn tiny_with(config: &eesd_models::LlamaConfig, seed: u64) -> Llama {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tiny.gguf");
     std::fs::write(&path, tiny_gguf_bytes(config, seed)).unwrap();
-    let device = Backend::default_compiled().unwrap().device().unwrap();
+    let device = eesd_models::testing::test_device().unwrap();
     LoadedModel::load(&path, &device, &LoadOptions::default())
         .unwrap()
         .model
@@ -620,10 +620,15 @@ fn heads_sharing_one_teacher_pass_train_as_they_would_alone() {
             shared1.train_step_on(&teacher).unwrap(),
             shared2.train_step_on(&teacher).unwrap(),
         );
-        assert_eq!(a, b, "losses");
+        // Bit for bit on flex; elsewhere the shared pass sums in another order (relative 1e-4).
+        let same = |x: f64, y: f64| match on_flex() {
+            true => x == y,
+            false => (x - y).abs() <= 1e-4 * x.abs().max(y.abs()),
+        };
+        assert!(same(a.0, b.0) && same(a.1, b.1), "losses {a:?} vs {b:?}");
     }
-    assert_eq!(wqkv(alone1), wqkv(shared1));
-    assert_eq!(wqkv(alone2), wqkv(shared2));
+    assert_rows_match(&wqkv(alone1), &wqkv(shared1), "layer 1 head");
+    assert_rows_match(&wqkv(alone2), &wqkv(shared2), "layer 2 head");
     // A teacher without the head's layer, or with a layer outside the model: typed errors.
     let batch = [data[0].tokens.as_slice()];
     let teacher = Teacher::new(&model, &batch, &[1]).unwrap();
@@ -744,7 +749,7 @@ fn a_head_from_a_quantized_model_trains_all_its_weights() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tiny-q.gguf");
     std::fs::write(&path, tiny_quantized_gguf_bytes(&tiny_config(), 5)).unwrap();
-    let device = Backend::default_compiled().unwrap().device().unwrap();
+    let device = eesd_models::testing::test_device().unwrap();
     let model = LoadedModel::load(&path, &device, &LoadOptions::default())
         .unwrap()
         .model;

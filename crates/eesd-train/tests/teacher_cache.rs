@@ -1,11 +1,12 @@
 //! The teacher cache on a tiny random LLaMA: a head trained from cached teacher passes is the
-//! head trained from fresh ones, bit for bit (full or draft vocabulary, dense or native
+//! head trained from fresh ones, bit for bit on flex (full or draft vocabulary, dense or native
 //! weights, files with or without the greedy tokens), and files that do not fit are recomputed.
 
 use std::collections::HashMap;
 
-use eesd_core::Backend;
-use eesd_models::testing::{tiny_config, tiny_gguf_bytes, tiny_quantized_gguf_bytes};
+use eesd_models::testing::{
+    assert_rows_match, on_flex, tiny_config, tiny_gguf_bytes, tiny_quantized_gguf_bytes,
+};
 use eesd_models::{HeadKind, LayerHead, Llama, LoadOptions, LoadedModel, VocabSubset, WeightDType};
 use eesd_train::{CacheOutcome, DistillConfig, Distiller, Teacher, TeacherCache, TrainError};
 use safetensors::SafeTensors;
@@ -26,7 +27,7 @@ fn load(bytes: Vec<u8>, dtype: WeightDType) -> Llama {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tiny.gguf");
     std::fs::write(&path, bytes).unwrap();
-    let device = Backend::default_compiled().unwrap().device().unwrap();
+    let device = eesd_models::testing::test_device().unwrap();
     let options = LoadOptions {
         dtype,
         ..Default::default()
@@ -35,16 +36,15 @@ fn load(bytes: Vec<u8>, dtype: WeightDType) -> Llama {
 }
 
 /// Every trained value of the head, as bits.
-fn bits(d: Distiller) -> Vec<u32> {
+/// The trained head's weights, in order.
+fn weights(d: Distiller) -> Vec<f32> {
     let head = d.into_head().unwrap();
     let w = head.weights();
     let mut out = Vec::new();
     for m in w.matrices() {
-        let v = m.val().into_data().try_into_vec::<f32>().unwrap();
-        out.extend(v.iter().map(|x| x.to_bits()));
+        out.extend(m.val().into_data().try_into_vec::<f32>().unwrap());
     }
-    let norm = w.norm.val().into_data().try_into_vec::<f32>().unwrap();
-    out.extend(norm.iter().map(|x| x.to_bits()));
+    out.extend(w.norm.val().into_data().try_into_vec::<f32>().unwrap());
     out
 }
 
@@ -132,11 +132,19 @@ fn trains_alike(model: &Llama, subset: Option<&VocabSubset>) {
                 .unwrap();
             outcomes.push(outcome);
             let got = cached.train_step_on(&teacher).unwrap();
-            assert_eq!(got.to_bits(), want.to_bits(), "{kind:?} step {step}");
+            // Bit for bit on flex; LibTorch does not repeat a pass bit for bit, and the small
+            // differences grow over the steps (relative 1e-3).
+            match on_flex() {
+                true => assert_eq!(got.to_bits(), want.to_bits(), "{kind:?} step {step}"),
+                false => assert!(
+                    (got - want).abs() <= 1e-3 * want.abs(),
+                    "{kind:?} step {step}: {got} vs {want}"
+                ),
+            }
         }
         assert_eq!(outcomes[..3], [CacheOutcome::Stored; 3]);
         assert!(outcomes[3..].iter().all(|&o| o == CacheOutcome::Hit));
-        assert_eq!(bits(cached), bits(fresh), "{kind:?}");
+        assert_rows_match(&weights(cached), &weights(fresh), &format!("{kind:?}"));
     }
 }
 

@@ -47,16 +47,7 @@ pub fn golden() -> Vec<Golden> {
 
 /// The device the tests run on: `$EESD_TEST_BACKEND` (flex, tch, ...) or the default build's.
 pub fn device() -> Device {
-    match std::env::var("EESD_TEST_BACKEND") {
-        Ok(name) => name
-            .parse::<eesd_core::Backend>()
-            .and_then(|b| b.device())
-            .expect("EESD_TEST_BACKEND"),
-        Err(_) => eesd_core::Backend::default_compiled()
-            .expect("a compiled backend")
-            .device()
-            .unwrap(),
-    }
+    eesd_models::testing::test_device().expect("EESD_TEST_BACKEND names a compiled backend")
 }
 
 /// The real model, loaded once per test binary.
@@ -342,26 +333,6 @@ pub fn assert_same_distribution(a: &[usize], b: &[usize], what: &str) {
     );
 }
 
-/// Whether the tests run on flex (the default), the one backend with the CPU's own kernels
-/// (native quantized weights, Q8_0 drafts, bit-identical blocks by design).
-pub fn on_flex() -> bool {
-    std::env::var("EESD_TEST_BACKEND").map_or(true, |b| b == "flex")
-}
-
-/// Asserts that two rows of values are the same: bit for bit on flex, whose kernels compute a
-/// block as its rows one at a time; else within 1e-4 of the largest magnitude (LibTorch's and
-/// the GPUs' products choose their kernels by the number of rows, so a block differs from its
-/// rows in the last bits: measured with `tch` on the CPU and `tch-cuda` on an H200).
-pub fn assert_rows_match(a: &[f32], b: &[f32], what: &str) {
-    if on_flex() {
-        assert_eq!(a, b, "{what}");
-        return;
-    }
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    let scale = a.iter().chain(b).fold(1f32, |m, x| m.max(x.abs()));
-    let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-    assert!(
-        diff <= 1e-4 * scale,
-        "{what}: rows differ by {diff} (scale {scale})"
-    );
-}
+// Not every test binary uses them (as with the module's dead code above).
+#[allow(unused_imports)]
+pub use eesd_models::testing::{assert_rows_match, on_flex};
