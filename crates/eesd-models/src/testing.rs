@@ -293,3 +293,18 @@ pub fn assert_rows_match(a: &[f32], b: &[f32], what: &str) {
         "{what}: rows differ by {diff} (scale {scale})"
     );
 }
+
+/// Asserts that two scalars (a step's loss) are the same: the same value, bit for bit, on
+/// flex; else within `rel` of `want`'s magnitude.
+pub fn assert_scalar_match(got: f64, want: f64, rel: f64, what: &str) {
+    match on_flex() {
+        true => assert!(
+            got == want && got.to_bits() == want.to_bits(),
+            "{what}: {got} vs {want}"
+        ),
+        false => assert!(
+            (got - want).abs() <= rel * want.abs(),
+            "{what}: {got} vs {want} (relative {rel})"
+        ),
+    }
+}
