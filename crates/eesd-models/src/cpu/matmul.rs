@@ -41,11 +41,13 @@ const CHUNK: usize = 128;
 /// Cache line size.
 const LINE: usize = 64;
 
-/// How many steps of the inner dimension ahead the first row group also prefetches each panel
-/// into L2 (12 KiB of an f32 panel, 6 KiB of f16): the next-chunk prefetch alone is issued too
-/// late to cover memory latency on a host whose memory is slow to answer (a 2-core Zen 4 EPYC
-/// VM: f32 one row 17.7 → 16.9 ms, 8 rows 20.4 → 17.7 ms; f16 8 rows −3–5%; 128–320 steps
-/// alike).
+/// How many steps of the inner dimension ahead a pass of one row group also prefetches each
+/// panel into L2 (12 KiB of an f32 panel, 6 KiB of f16): the next-chunk prefetch alone is
+/// issued too late to cover memory latency on a host whose memory is slow to answer (a 2-core
+/// Zen 4 EPYC VM: f32 one row 17.7 → 16.9 ms, 8 rows 20.4 → 17.7 ms; f16 8 rows −3–5%; 128–320
+/// steps alike). Passes of several groups go without it: there the first group's burst of far
+/// prefetches held the cores back (a 2-core Intel Xeon with AMX, `matmul_cost --outs 1536
+/// --mb 800`: 16 rows 184 → 158 µs, 32 rows 267 → 231 µs; 1 and 8 rows alike).
 const FAR_STEPS: usize = 192;
 
 /// Inconsistent operand sizes.
@@ -293,7 +295,7 @@ unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>
                     lines: (g + 1) * chunk_lines / count - g * chunk_lines / count,
                     steps: i1 - i0,
                     to_l2,
-                    far: g == 0,
+                    far: g == 0 && count == 1,
                 };
                 let sums = scratch.add((j - j0) * 2 * PANEL);
                 let dst = match direct && i1 == k {
@@ -337,7 +339,8 @@ struct Sums {
 
 /// The prefetches one row group issues during one chunk: `lines` cache lines from line
 /// `first` of each of the (up to two) areas in `next`, spread over `steps` steps, into L1 or
-/// (`to_l2`) into L2 only; and where `far`, each panel's line [`FAR_STEPS`] steps ahead into L2.
+/// (`to_l2`) into L2 only; and where `far` (the pass's only group), each panel's line
+/// [`FAR_STEPS`] steps ahead into L2.
 struct Prefetch<E> {
     next: [*const E; 2],
     first: usize,
