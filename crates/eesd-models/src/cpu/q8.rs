@@ -14,19 +14,22 @@ use std::marker::PhantomData;
 pub struct Q8Rows {
     pub(crate) k: usize,
     pub(crate) rows: usize,
-    /// Row stride of the transposed sums (rows rounded up, plus room for a full group).
+    /// Row stride of the sums: `k / 32`, as the scales, so that a kernel finds a row's sum and
+    /// scale at one offset. Rows (made by different threads) share a cache line only where one
+    /// ends and the next begins; the former layout, `[k / 32][rows]`, put every row's sums of a
+    /// sub-block in one line that the threads bounced between the cores at every row.
     pub(crate) stride: usize,
     /// Codes `[rows][k]`.
     pub(crate) q: Vec<i8>,
     /// Scales `[rows][k / 32]`.
     pub(crate) d: Vec<f32>,
-    /// `d · Σ q` per sub-block, transposed `[k / 32][stride]` (zero past `rows`).
+    /// `d · Σ q` per sub-block, `[rows][stride]` ([`Q8Rows::sum_at`]).
     pub(crate) sum: Vec<f32>,
-    /// The exact `Σ q` per sub-block, transposed `[k / 32][stride]` (zero past `rows`): the
-    /// VNNI kernel's correction for Q8_0 weights it reads as unsigned (`w + 128`).
+    /// The exact `Σ q` per sub-block, `[rows][stride]` ([`Q8Rows::sum_at`]): the VNNI
+    /// kernel's correction for Q8_0 weights it reads as unsigned (`w + 128`).
     pub(crate) int_sum: Vec<i32>,
-    /// `−32 · Σ q` per half sub-block (exact), transposed `[k / 32][2][stride]`: where the
-    /// panel kernels' sums start for Q6_K codes, stored as `q + 32`.
+    /// `−32 · Σ q` per half sub-block (exact), `[rows][stride][2]` ([`Q8Rows::half_at`]):
+    /// where the panel kernels' sums start for Q6_K codes, stored as `q + 32`.
     pub(crate) half_bias: Vec<i32>,
 }
 
@@ -49,18 +52,18 @@ impl Q8Rows {
     pub(crate) fn writer(&mut self, rows: usize, k: usize) -> RowWriter<'_> {
         debug_assert!(k.is_multiple_of(SUB));
         let subs = k / SUB;
-        let stride = rows.next_multiple_of(4) + 4;
+        let stride = subs;
         self.k = k;
         self.rows = rows;
         self.stride = stride;
         self.q.resize(rows * k, 0);
         self.d.resize(rows * subs, 0.0);
         self.sum.clear();
-        self.sum.resize(subs * stride, 0.0);
+        self.sum.resize(rows * stride, 0.0);
         self.int_sum.clear();
-        self.int_sum.resize(subs * stride, 0);
+        self.int_sum.resize(rows * stride, 0);
         self.half_bias.clear();
-        self.half_bias.resize(subs * 2 * stride, 0);
+        self.half_bias.resize(rows * 2 * stride, 0);
         RowWriter {
             q: Disjoint(self.q.as_mut_ptr()),
             d: Disjoint(self.d.as_mut_ptr()),
@@ -72,6 +75,18 @@ impl Q8Rows {
             stride,
             _rows: PhantomData,
         }
+    }
+
+    /// Where `sum` and `int_sum` hold row `r`'s sums of sub-block `s`.
+    #[inline(always)]
+    pub(crate) fn sum_at(&self, r: usize, s: usize) -> usize {
+        r * self.stride + s
+    }
+
+    /// Where `half_bias` holds half `h` (0 or 1) of row `r`'s sub-block `s`.
+    #[inline(always)]
+    pub(crate) fn half_at(&self, r: usize, s: usize, h: usize) -> usize {
+        2 * (r * self.stride + s) + h
     }
 
     /// Rows held.
@@ -109,8 +124,8 @@ impl RowWriter<'_> {
         let (k, stride) = (self.k, self.stride);
         let subs = k / SUB;
         debug_assert!(r < self.rows && x.len() == k);
-        // SAFETY: row r's codes and scales are its own slices; its sums are the elements
-        // `s · stride + r` (and `(2s + h) · stride + r`), which no other row touches.
+        // SAFETY: row r's codes, scales and sums are its own slices (sums from `r · stride`,
+        // half sums from `2r · stride`), which no other row touches.
         unsafe {
             let q = std::slice::from_raw_parts_mut(self.q.ptr().add(r * k), k);
             let d = std::slice::from_raw_parts_mut(self.d.ptr().add(r * subs), subs);
@@ -122,10 +137,10 @@ impl RowWriter<'_> {
                 half_sums(&q[first * SUB..(first + n) * SUB], &mut halves[..2 * n]);
                 for (s, pair) in (first..).zip(halves[..2 * n].chunks_exact(2)) {
                     let (a, c) = (pair[0], pair[1]);
-                    *self.int_sum.ptr().add(s * stride + r) = a + c;
-                    *self.sum.ptr().add(s * stride + r) = d[s] * (a + c) as f32;
-                    *self.half_bias.ptr().add(2 * s * stride + r) = -32 * a;
-                    *self.half_bias.ptr().add((2 * s + 1) * stride + r) = -32 * c;
+                    *self.int_sum.ptr().add(r * stride + s) = a + c;
+                    *self.sum.ptr().add(r * stride + s) = d[s] * (a + c) as f32;
+                    *self.half_bias.ptr().add(2 * (r * stride + s)) = -32 * a;
+                    *self.half_bias.ptr().add(2 * (r * stride + s) + 1) = -32 * c;
                 }
             }
         }
@@ -362,12 +377,12 @@ mod tests {
             let half =
                 |h: usize| -> i32 { codes[h * 16..h * 16 + 16].iter().map(|&v| v as i32).sum() };
             assert_eq!(
-                rows.int_sum[s * rows.stride],
+                rows.int_sum[rows.sum_at(0, s)],
                 half(0) + half(1),
                 "sub-block {s}"
             );
-            assert_eq!(rows.half_bias[2 * s * rows.stride], -32 * half(0));
-            assert_eq!(rows.half_bias[(2 * s + 1) * rows.stride], -32 * half(1));
+            assert_eq!(rows.half_bias[rows.half_at(0, s, 0)], -32 * half(0));
+            assert_eq!(rows.half_bias[rows.half_at(0, s, 1)], -32 * half(1));
         }
     }
 
@@ -401,11 +416,15 @@ mod tests {
             assert_eq!(alone.q, block.q[r * k..(r + 1) * k]);
             assert_eq!(alone.d, block.d[r * 3..(r + 1) * 3]);
             for s in 0..3 {
-                assert_eq!(alone.sum[s * alone.stride], block.sum[s * block.stride + r]);
+                assert_eq!(alone.sum[alone.sum_at(0, s)], block.sum[block.sum_at(r, s)]);
                 let codes = &alone.q[s * SUB..(s + 1) * SUB];
                 let exact: i32 = codes.iter().map(|&v| v as i32).sum();
-                assert_eq!(alone.int_sum[s * alone.stride], exact);
-                assert_eq!(block.int_sum[s * block.stride + r], exact);
+                assert_eq!(alone.int_sum[alone.sum_at(0, s)], exact);
+                assert_eq!(block.int_sum[block.sum_at(r, s)], exact);
+                for h in 0..2 {
+                    let half: i32 = codes[16 * h..][..16].iter().map(|&v| v as i32).sum();
+                    assert_eq!(block.half_bias[block.half_at(r, s, h)], -32 * half);
+                }
             }
         }
     }

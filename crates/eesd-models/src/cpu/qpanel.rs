@@ -394,7 +394,7 @@ fn portable_tile<const F: usize, const M: usize>(
     tile: &mut Tile,
 ) {
     let format = FORMATS[F];
-    let (k, subs, stride, sb) = (acts.k, acts.k / SUB, acts.stride, sub_bytes(format));
+    let (k, subs, sb) = (acts.k, acts.k / SUB, sub_bytes(format));
     for (m, out) in tile.iter_mut().enumerate().take(M) {
         let x = &acts.q[(j + m) * k..][..k];
         for (o, y) in out.iter_mut().enumerate() {
@@ -418,7 +418,7 @@ fn portable_tile<const F: usize, const M: usize>(
                 let (d, offset) = scale_offset(format, sub, o);
                 acc = (dot as f32).mul_add(d * acts.d[(j + m) * subs + n], acc);
                 if format != QuantFormat::Q8_0 {
-                    acc = offset.mul_add(acts.sum[n * stride + j + m], acc);
+                    acc = offset.mul_add(acts.sum[acts.sum_at(j + m, n)], acc);
                 }
             }
             *y = acc;
@@ -466,13 +466,18 @@ mod x86 {
         tile: &mut Tile,
     ) {
         let format = FORMATS[F];
-        let (k, subs, stride, sb) = (acts.k, acts.k / SUB, acts.stride, sub_bytes(format));
+        let (k, subs, sb) = (acts.k, acts.k / SUB, sub_bytes(format));
         unsafe {
             let ones = _mm256_set1_epi16(1);
             let low4 = _mm256_set1_epi8(0x0f);
             let mut acc = [_mm256_setzero_ps(); M];
             let xq = acts.q.as_ptr().add(j * k);
             let dx = acts.d.as_ptr().add(j * subs);
+            // The rows' sums, `subs` apart as their scales (`Q8Rows::sum_at`, `half_at`).
+            let stride = subs;
+            debug_assert_eq!(acts.stride, subs);
+            let sums = acts.sum.as_ptr().add(acts.sum_at(j, 0));
+            let biases = acts.half_bias.as_ptr().add(acts.half_at(j, 0, 0));
             for n in 0..subs {
                 let sub = panel.as_ptr().add(n * sb);
                 let ahead = sub.wrapping_add(PREFETCH);
@@ -485,11 +490,11 @@ mod x86 {
                 if format == QuantFormat::Q6K {
                     // Each half of 16 weights from its bias (−32 · Σ q_x) on: the exact
                     // Σ (q − 32) · q_x, then scaled by the half's own scale.
-                    let bias = acts.half_bias.as_ptr().add(2 * n * stride + j);
                     let mut halves = [[_mm256_setzero_si256(); M]; 2];
                     for half in 0..2 {
                         for m in 0..M {
-                            halves[half][m] = _mm256_set1_epi32(*bias.add(half * stride + m));
+                            let at = 2 * (m * stride + n) + half;
+                            halves[half][m] = _mm256_set1_epi32(*biases.add(at));
                         }
                         for i in 4 * half..4 * half + 4 {
                             let w = _mm256_loadu_si256(codes.add(32 * i).cast());
@@ -562,7 +567,7 @@ mod x86 {
                     let scale = _mm256_mul_ps(d, _mm256_broadcast_ss(&*dx.add(m * subs + n)));
                     acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[m]), scale, acc[m]);
                     if let Some(offset) = offset {
-                        let sx = _mm256_broadcast_ss(&*acts.sum.as_ptr().add(n * stride + j + m));
+                        let sx = _mm256_broadcast_ss(&*sums.add(m * stride + n));
                         acc[m] = _mm256_fmadd_ps(offset, sx, acc[m]);
                     }
                 }
@@ -625,13 +630,19 @@ mod x86 {
         tile: &mut WideTile,
     ) {
         let format = FORMATS[F];
-        let (k, subs, stride, sb) = (acts.k, acts.k / SUB, acts.stride, sub_bytes(format));
+        let (k, subs, sb) = (acts.k, acts.k / SUB, sub_bytes(format));
         unsafe {
             let low4 = _mm512_set1_epi8(0x0f);
             let flip = _mm512_set1_epi8(i8::MIN);
             let mut acc = [_mm512_setzero_ps(); M];
             let xq = acts.q.as_ptr().add(j * k);
             let dx = acts.d.as_ptr().add(j * subs);
+            // The rows' sums, `subs` apart as their scales (`Q8Rows::sum_at`, `half_at`).
+            let stride = subs;
+            debug_assert_eq!(acts.stride, subs);
+            let sums = acts.sum.as_ptr().add(acts.sum_at(j, 0));
+            let int_sums = acts.int_sum.as_ptr().add(acts.sum_at(j, 0));
+            let biases = acts.half_bias.as_ptr().add(acts.half_at(j, 0, 0));
             let h = header(format);
             for n in 0..subs {
                 let (sa, sb_) = (a.as_ptr().add(n * sb), b.as_ptr().add(n * sb));
@@ -643,11 +654,11 @@ mod x86 {
                 let x0 = n * SUB;
                 if format == QuantFormat::Q6K {
                     // As the AVX2 kernel: each half from its bias on, scaled on its own.
-                    let bias = acts.half_bias.as_ptr().add(2 * n * stride + j);
                     let mut halves = [[_mm512_setzero_si512(); M]; 2];
                     for half in 0..2 {
                         for m in 0..M {
-                            halves[half][m] = _mm512_set1_epi32(*bias.add(half * stride + m));
+                            let at = 2 * (m * stride + n) + half;
+                            halves[half][m] = _mm512_set1_epi32(*biases.add(at));
                         }
                         for i in 4 * half..4 * half + 4 {
                             let w = join(sa, sb_, h + 32 * i);
@@ -670,7 +681,7 @@ mod x86 {
                 let mut dots = [_mm512_setzero_si512(); M];
                 if format == QuantFormat::Q8_0 {
                     for m in 0..M {
-                        let sum = *acts.int_sum.as_ptr().add(n * stride + j + m);
+                        let sum = *int_sums.add(m * stride + n);
                         dots[m] = _mm512_set1_epi32(-128 * sum);
                     }
                     for i in 0..8 {
@@ -707,7 +718,7 @@ mod x86 {
                     let scale = _mm512_mul_ps(d, _mm512_set1_ps(*dx.add(m * subs + n)));
                     acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[m]), scale, acc[m]);
                     if let Some(offset) = offset {
-                        let sx = _mm512_set1_ps(*acts.sum.as_ptr().add(n * stride + j + m));
+                        let sx = _mm512_set1_ps(*sums.add(m * stride + n));
                         acc[m] = _mm512_fmadd_ps(offset, sx, acc[m]);
                     }
                 }
