@@ -14,23 +14,35 @@ use std::marker::PhantomData;
 pub struct Q8Rows {
     pub(crate) k: usize,
     pub(crate) rows: usize,
-    /// Row stride of the sums: `k / 32`, as the scales, so that a kernel finds a row's sum and
-    /// scale at one offset. Rows (made by different threads) share a cache line only where one
-    /// ends and the next begins; the former layout, `[k / 32][rows]`, put every row's sums of a
-    /// sub-block in one line that the threads bounced between the cores at every row.
-    pub(crate) stride: usize,
     /// Codes `[rows][k]`.
     pub(crate) q: Vec<i8>,
     /// Scales `[rows][k / 32]`.
     pub(crate) d: Vec<f32>,
-    /// `d · Σ q` per sub-block, `[rows][stride]` ([`Q8Rows::sum_at`]).
+    /// `d · Σ q` per sub-block, `[rows][k / 32]` ([`sum_index`]).
     pub(crate) sum: Vec<f32>,
-    /// The exact `Σ q` per sub-block, `[rows][stride]` ([`Q8Rows::sum_at`]): the VNNI
-    /// kernel's correction for Q8_0 weights it reads as unsigned (`w + 128`).
+    /// The exact `Σ q` per sub-block, `[rows][k / 32]` ([`sum_index`]): the VNNI kernel's
+    /// correction for Q8_0 weights it reads as unsigned (`w + 128`).
     pub(crate) int_sum: Vec<i32>,
-    /// `−32 · Σ q` per half sub-block (exact), `[rows][stride][2]` ([`Q8Rows::half_at`]):
-    /// where the panel kernels' sums start for Q6_K codes, stored as `q + 32`.
+    /// `−32 · Σ q` per half sub-block (exact), `[rows][k / 32][2]` ([`half_index`]): where the
+    /// panel kernels' sums start for Q6_K codes, stored as `q + 32`.
     pub(crate) half_bias: Vec<i32>,
+}
+
+/// Where `sum` and `int_sum` hold row `r`'s sums of sub-block `s`, for rows of `subs`
+/// sub-blocks: row-major like the scales, so a kernel finds a row's scale and sum at one
+/// offset, and rows (made by different threads) share a cache line only where one ends and
+/// the next begins. (Sub-block-major sums, `[k / 32][rows]`, put all rows' sums of a
+/// sub-block in one line, which the threads bounced between the cores at every row.)
+#[inline(always)]
+pub(crate) fn sum_index(subs: usize, r: usize, s: usize) -> usize {
+    r * subs + s
+}
+
+/// Where `half_bias` holds half `h` (0 or 1) of row `r`'s sub-block `s` ([`sum_index`]'s
+/// layout, two values per sub-block).
+#[inline(always)]
+pub(crate) fn half_index(subs: usize, r: usize, s: usize, h: usize) -> usize {
+    2 * sum_index(subs, r, s) + h
 }
 
 impl Q8Rows {
@@ -52,18 +64,16 @@ impl Q8Rows {
     pub(crate) fn writer(&mut self, rows: usize, k: usize) -> RowWriter<'_> {
         debug_assert!(k.is_multiple_of(SUB));
         let subs = k / SUB;
-        let stride = subs;
         self.k = k;
         self.rows = rows;
-        self.stride = stride;
         self.q.resize(rows * k, 0);
         self.d.resize(rows * subs, 0.0);
         self.sum.clear();
-        self.sum.resize(rows * stride, 0.0);
+        self.sum.resize(rows * subs, 0.0);
         self.int_sum.clear();
-        self.int_sum.resize(rows * stride, 0);
+        self.int_sum.resize(rows * subs, 0);
         self.half_bias.clear();
-        self.half_bias.resize(rows * 2 * stride, 0);
+        self.half_bias.resize(rows * 2 * subs, 0);
         RowWriter {
             q: Disjoint(self.q.as_mut_ptr()),
             d: Disjoint(self.d.as_mut_ptr()),
@@ -72,21 +82,8 @@ impl Q8Rows {
             half_bias: Disjoint(self.half_bias.as_mut_ptr()),
             rows,
             k,
-            stride,
             _rows: PhantomData,
         }
-    }
-
-    /// Where `sum` and `int_sum` hold row `r`'s sums of sub-block `s`.
-    #[inline(always)]
-    pub(crate) fn sum_at(&self, r: usize, s: usize) -> usize {
-        r * self.stride + s
-    }
-
-    /// Where `half_bias` holds half `h` (0 or 1) of row `r`'s sub-block `s`.
-    #[inline(always)]
-    pub(crate) fn half_at(&self, r: usize, s: usize, h: usize) -> usize {
-        2 * (r * self.stride + s) + h
     }
 
     /// Rows held.
@@ -110,7 +107,6 @@ pub(crate) struct RowWriter<'a> {
     half_bias: Disjoint<i32>,
     rows: usize,
     k: usize,
-    stride: usize,
     _rows: PhantomData<&'a mut Q8Rows>,
 }
 
@@ -121,11 +117,11 @@ impl RowWriter<'_> {
     /// # Safety
     /// `r` is below the writer's row count, and no other call writes row `r` at the same time.
     pub(crate) unsafe fn row(&self, r: usize, x: &[f32]) {
-        let (k, stride) = (self.k, self.stride);
+        let k = self.k;
         let subs = k / SUB;
         debug_assert!(r < self.rows && x.len() == k);
-        // SAFETY: row r's codes, scales and sums are its own slices (sums from `r · stride`,
-        // half sums from `2r · stride`), which no other row touches.
+        // SAFETY: row r's codes, scales and sums are its own slices (`sum_index` and
+        // `half_index` of row r), which no other row touches.
         unsafe {
             let q = std::slice::from_raw_parts_mut(self.q.ptr().add(r * k), k);
             let d = std::slice::from_raw_parts_mut(self.d.ptr().add(r * subs), subs);
@@ -137,10 +133,10 @@ impl RowWriter<'_> {
                 half_sums(&q[first * SUB..(first + n) * SUB], &mut halves[..2 * n]);
                 for (s, pair) in (first..).zip(halves[..2 * n].chunks_exact(2)) {
                     let (a, c) = (pair[0], pair[1]);
-                    *self.int_sum.ptr().add(r * stride + s) = a + c;
-                    *self.sum.ptr().add(r * stride + s) = d[s] * (a + c) as f32;
-                    *self.half_bias.ptr().add(2 * (r * stride + s)) = -32 * a;
-                    *self.half_bias.ptr().add(2 * (r * stride + s) + 1) = -32 * c;
+                    *self.int_sum.ptr().add(sum_index(subs, r, s)) = a + c;
+                    *self.sum.ptr().add(sum_index(subs, r, s)) = d[s] * (a + c) as f32;
+                    *self.half_bias.ptr().add(half_index(subs, r, s, 0)) = -32 * a;
+                    *self.half_bias.ptr().add(half_index(subs, r, s, 1)) = -32 * c;
                 }
             }
         }
@@ -377,12 +373,12 @@ mod tests {
             let half =
                 |h: usize| -> i32 { codes[h * 16..h * 16 + 16].iter().map(|&v| v as i32).sum() };
             assert_eq!(
-                rows.int_sum[rows.sum_at(0, s)],
+                rows.int_sum[sum_index(70, 0, s)],
                 half(0) + half(1),
                 "sub-block {s}"
             );
-            assert_eq!(rows.half_bias[rows.half_at(0, s, 0)], -32 * half(0));
-            assert_eq!(rows.half_bias[rows.half_at(0, s, 1)], -32 * half(1));
+            assert_eq!(rows.half_bias[half_index(70, 0, s, 0)], -32 * half(0));
+            assert_eq!(rows.half_bias[half_index(70, 0, s, 1)], -32 * half(1));
         }
     }
 
@@ -416,14 +412,14 @@ mod tests {
             assert_eq!(alone.q, block.q[r * k..(r + 1) * k]);
             assert_eq!(alone.d, block.d[r * 3..(r + 1) * 3]);
             for s in 0..3 {
-                assert_eq!(alone.sum[alone.sum_at(0, s)], block.sum[block.sum_at(r, s)]);
+                assert_eq!(alone.sum[sum_index(3, 0, s)], block.sum[sum_index(3, r, s)]);
                 let codes = &alone.q[s * SUB..(s + 1) * SUB];
                 let exact: i32 = codes.iter().map(|&v| v as i32).sum();
-                assert_eq!(alone.int_sum[alone.sum_at(0, s)], exact);
-                assert_eq!(block.int_sum[block.sum_at(r, s)], exact);
+                assert_eq!(alone.int_sum[sum_index(3, 0, s)], exact);
+                assert_eq!(block.int_sum[sum_index(3, r, s)], exact);
                 for h in 0..2 {
                     let half: i32 = codes[16 * h..][..16].iter().map(|&v| v as i32).sum();
-                    assert_eq!(block.half_bias[block.half_at(r, s, h)], -32 * half);
+                    assert_eq!(block.half_bias[half_index(3, r, s, h)], -32 * half);
                 }
             }
         }

@@ -40,7 +40,7 @@
 //! halves in turn, each `acc = fma(float(Σ (q − 32)·q_x), d_h · d_x, acc)` with the exact
 //! integer sum over the half's 16 weights.
 
-use super::q8::Q8Rows;
+use super::q8::{Q8Rows, half_index, sum_index};
 use super::qformat::{QuantFormat, SUB, f16_at};
 
 /// Output rows per panel.
@@ -418,7 +418,7 @@ fn portable_tile<const F: usize, const M: usize>(
                 let (d, offset) = scale_offset(format, sub, o);
                 acc = (dot as f32).mul_add(d * acts.d[(j + m) * subs + n], acc);
                 if format != QuantFormat::Q8_0 {
-                    acc = offset.mul_add(acts.sum[acts.sum_at(j + m, n)], acc);
+                    acc = offset.mul_add(acts.sum[sum_index(subs, j + m, n)], acc);
                 }
             }
             *y = acc;
@@ -431,7 +431,9 @@ use x86::avx2_tile;
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{FORMATS, Q8Rows, QuantFormat, SUB, Tile, WideTile, header, sub_bytes};
+    use super::{
+        FORMATS, Q8Rows, QuantFormat, SUB, Tile, WideTile, half_index, header, sub_bytes, sum_index,
+    };
     use std::arch::x86_64::*;
 
     /// How far ahead of the sub-block being read the kernel prefetches, in bytes (a task's
@@ -473,11 +475,7 @@ mod x86 {
             let mut acc = [_mm256_setzero_ps(); M];
             let xq = acts.q.as_ptr().add(j * k);
             let dx = acts.d.as_ptr().add(j * subs);
-            // The rows' sums, `subs` apart as their scales (`Q8Rows::sum_at`, `half_at`).
-            let stride = subs;
-            debug_assert_eq!(acts.stride, subs);
-            let sums = acts.sum.as_ptr().add(acts.sum_at(j, 0));
-            let biases = acts.half_bias.as_ptr().add(acts.half_at(j, 0, 0));
+            let (sums, biases) = (acts.sum.as_ptr(), acts.half_bias.as_ptr());
             for n in 0..subs {
                 let sub = panel.as_ptr().add(n * sb);
                 let ahead = sub.wrapping_add(PREFETCH);
@@ -493,7 +491,7 @@ mod x86 {
                     let mut halves = [[_mm256_setzero_si256(); M]; 2];
                     for half in 0..2 {
                         for m in 0..M {
-                            let at = 2 * (m * stride + n) + half;
+                            let at = half_index(subs, j + m, n, half);
                             halves[half][m] = _mm256_set1_epi32(*biases.add(at));
                         }
                         for i in 4 * half..4 * half + 4 {
@@ -567,7 +565,7 @@ mod x86 {
                     let scale = _mm256_mul_ps(d, _mm256_broadcast_ss(&*dx.add(m * subs + n)));
                     acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[m]), scale, acc[m]);
                     if let Some(offset) = offset {
-                        let sx = _mm256_broadcast_ss(&*sums.add(m * stride + n));
+                        let sx = _mm256_broadcast_ss(&*sums.add(sum_index(subs, j + m, n)));
                         acc[m] = _mm256_fmadd_ps(offset, sx, acc[m]);
                     }
                 }
@@ -637,12 +635,8 @@ mod x86 {
             let mut acc = [_mm512_setzero_ps(); M];
             let xq = acts.q.as_ptr().add(j * k);
             let dx = acts.d.as_ptr().add(j * subs);
-            // The rows' sums, `subs` apart as their scales (`Q8Rows::sum_at`, `half_at`).
-            let stride = subs;
-            debug_assert_eq!(acts.stride, subs);
-            let sums = acts.sum.as_ptr().add(acts.sum_at(j, 0));
-            let int_sums = acts.int_sum.as_ptr().add(acts.sum_at(j, 0));
-            let biases = acts.half_bias.as_ptr().add(acts.half_at(j, 0, 0));
+            let (sums, biases) = (acts.sum.as_ptr(), acts.half_bias.as_ptr());
+            let int_sums = acts.int_sum.as_ptr();
             let h = header(format);
             for n in 0..subs {
                 let (sa, sb_) = (a.as_ptr().add(n * sb), b.as_ptr().add(n * sb));
@@ -657,7 +651,7 @@ mod x86 {
                     let mut halves = [[_mm512_setzero_si512(); M]; 2];
                     for half in 0..2 {
                         for m in 0..M {
-                            let at = 2 * (m * stride + n) + half;
+                            let at = half_index(subs, j + m, n, half);
                             halves[half][m] = _mm512_set1_epi32(*biases.add(at));
                         }
                         for i in 4 * half..4 * half + 4 {
@@ -681,7 +675,7 @@ mod x86 {
                 let mut dots = [_mm512_setzero_si512(); M];
                 if format == QuantFormat::Q8_0 {
                     for m in 0..M {
-                        let sum = *int_sums.add(m * stride + n);
+                        let sum = *int_sums.add(sum_index(subs, j + m, n));
                         dots[m] = _mm512_set1_epi32(-128 * sum);
                     }
                     for i in 0..8 {
@@ -718,7 +712,7 @@ mod x86 {
                     let scale = _mm512_mul_ps(d, _mm512_set1_ps(*dx.add(m * subs + n)));
                     acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[m]), scale, acc[m]);
                     if let Some(offset) = offset {
-                        let sx = _mm512_set1_ps(*sums.add(m * stride + n));
+                        let sx = _mm512_set1_ps(*sums.add(sum_index(subs, j + m, n)));
                         acc[m] = _mm512_fmadd_ps(offset, sx, acc[m]);
                     }
                 }
