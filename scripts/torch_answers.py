@@ -20,6 +20,10 @@ stops starting rounds, and the last line printed says how many rounds are comple
 already in `--out` are kept and not asked again (a stopped run goes on where it was). Greedy
 answers match the Rust model's token for token except where two logits nearly tie (f32 sums in
 another order). No benchmark question is ever answered here: the prompts come from the file.
+Each round draws from its own seed (`--seed` × 1000 + round), so rounds can also be split over
+processes sharing one GPU (`--first-sample S --samples K` answers rounds S..K), each writing its
+own file, and the files joined: the same answers as one process, in less time, since one
+process leaves most of a large GPU idle.
 
     python3 scripts/torch_answers.py --model SmolLM2-135M-Instruct.Q4_1.gguf \
         --prompts ids.jsonl --out answers.jsonl --samples 3 --batch 256
@@ -271,6 +275,8 @@ def main():
     p.add_argument("--prompts", required=True, help="prompt ids from train_exit_head --export-prompts")
     p.add_argument("--out", required=True, help="data file to append to (train_exit_head --data)")
     p.add_argument("--samples", type=int, default=0, help="sampled answers per prompt besides the greedy one")
+    p.add_argument("--first-sample", type=int, default=0,
+                   help="first round to answer (0 = greedy): processes given disjoint rounds run side by side")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -281,8 +287,8 @@ def main():
     p.add_argument("--time-limit", type=float, default=0, help="start no round after this many seconds (0 = none)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
-    if not (args.temperature > 0 and 0 < args.top_p <= 1) or args.samples < 0 or args.batch < 1:
-        sys.exit("--temperature must be > 0, --top-p in (0, 1], --samples ≥ 0 and --batch ≥ 1")
+    if not (args.temperature > 0 and 0 < args.top_p <= 1) or args.samples < 0 or args.batch < 1 or not 0 <= args.first_sample <= args.samples:
+        sys.exit("--temperature must be > 0, --top-p in (0, 1], --samples ≥ 0, --batch ≥ 1 and 0 ≤ --first-sample ≤ --samples")
     torch.backends.cuda.matmul.allow_tf32 = False  # f32 sums, as close to the Rust model as it gets
 
     started = time.time()
@@ -309,7 +315,7 @@ def main():
     done = answered(args.out)
     rounds, answer_tokens, t0 = 0, 0, time.time()
     with open(args.out, "a") as out:
-        for sample in range(args.samples + 1):
+        for sample in range(args.first_sample, args.samples + 1):
             todo = [p for p in prompts if (p[0], sample) not in done]
             if todo and args.time_limit and time.time() - started > args.time_limit:
                 break
@@ -331,7 +337,7 @@ def main():
             rounds += 1
             elapsed = time.time() - t0
             print(f"round {sample} done: {answer_tokens} answer tokens in {elapsed:.1f} s ({answer_tokens / elapsed:.0f} tokens/s)", file=sys.stderr)
-    print(json.dumps({"complete_rounds": rounds, "samples": rounds - 1, "answer_tokens": answer_tokens, "seconds": round(time.time() - t0, 1)}))
+    print(json.dumps({"complete_rounds": rounds, "first_sample": args.first_sample, "answer_tokens": answer_tokens, "seconds": round(time.time() - t0, 1)}))
 
 
 if __name__ == "__main__":
