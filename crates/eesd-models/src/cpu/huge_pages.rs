@@ -157,7 +157,10 @@ impl<T: Copy> HugeBuf<T> {
                 backing: Backing::Mapped(region),
             };
         }
-        let layout = Layout::array::<T>(len).expect("capacity overflow");
+        // On a cache line like the mapped buffers, so that vector loads never straddle two.
+        let layout = Layout::array::<T>(len)
+            .and_then(|l| l.align_to(REGION_ALIGN))
+            .expect("capacity overflow");
         // SAFETY: `layout` has a non-zero size.
         let raw = unsafe { std::alloc::alloc(layout) };
         let Some(ptr) = NonNull::new(raw.cast::<T>()) else {
