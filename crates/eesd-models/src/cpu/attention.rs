@@ -879,8 +879,10 @@ unsafe fn chunk<V: Lanes, E: WeightElement, const G: usize, const T: usize, cons
                         CHUNK,
                     );
                 } else {
-                    for b in block..blocks {
-                        score_tile::<V, E, G, 1>(row_q(i), d, key(b), block_stride, at(b), CHUNK);
+                    let mut b = block;
+                    while b < blocks {
+                        let (q, k, s) = (row_q(i), key(b), at(b));
+                        b += score_few::<V, E, G, T>(q, d, k, block_stride, s, CHUNK, blocks - b);
                     }
                 }
             }
@@ -893,16 +895,11 @@ unsafe fn chunk<V: Lanes, E: WeightElement, const G: usize, const T: usize, cons
             for i in (0..n).filter(|&i| hi(i) > stored(i)) {
                 let o = own.as_mut_ptr().add(i * G * span);
                 let blocks = (job.first + job.r0 + i + 1).div_ceil(lanes);
-                for b in base..blocks {
-                    let at = o.add((b - base) * lanes);
-                    score_tile::<V, E, G, 1>(
-                        row_q(i),
-                        d,
-                        keys.add(b * block_stride),
-                        block_stride,
-                        at,
-                        span,
-                    );
+                let mut b = base;
+                while b < blocks {
+                    let (k, at) = (keys.add(b * block_stride), o.add((b - base) * lanes));
+                    b +=
+                        score_few::<V, E, G, T>(row_q(i), d, k, block_stride, at, span, blocks - b);
                 }
                 for h in 0..G {
                     for p in stored(i)..hi(i) {
@@ -1007,6 +1004,37 @@ unsafe fn score_tile<V: Lanes, E: WeightElement, const G: usize, const T: usize>
             for (h, a) in acc.iter().enumerate() {
                 a.store(scores.add(h * padded + t * V::WIDTH));
             }
+        }
+    }
+}
+
+/// Scores of `G` heads against the first of `left` key blocks (fewer than a whole tile) as
+/// [`score_tile`] would give them, in a tile of 4, 2 or 1 blocks (never more than `T`): the
+/// key blocks at the end of a row, which one block at a time would leave only `G` chains, too
+/// few to hide the multiply-add latency. Returns the blocks done.
+///
+/// # Safety
+/// As [`score_tile`], with `left` blocks at `keys`.
+#[inline(always)]
+unsafe fn score_few<V: Lanes, E: WeightElement, const G: usize, const T: usize>(
+    q: *const f32,
+    d: usize,
+    keys: *const E,
+    block_stride: usize,
+    scores: *mut f32,
+    padded: usize,
+    left: usize,
+) -> usize {
+    unsafe {
+        if T >= 4 && left >= 4 {
+            score_tile::<V, E, G, 4>(q, d, keys, block_stride, scores, padded);
+            4
+        } else if T >= 2 && left >= 2 {
+            score_tile::<V, E, G, 2>(q, d, keys, block_stride, scores, padded);
+            2
+        } else {
+            score_tile::<V, E, G, 1>(q, d, keys, block_stride, scores, padded);
+            1
         }
     }
 }
@@ -1177,8 +1205,11 @@ mod tests {
 
     fn check(h: Heads) {
         // A short cache (one softmax chunk); one longer than a value chunk with rows over
-        // several tiles and two chunks; several chunks, rows crossing a chunk boundary.
+        // several tiles and two chunks; several chunks, rows crossing a chunk boundary; rows
+        // ending 5-7 key blocks into a chunk (tiles of 4, 2 and 1 blocks after the last whole
+        // tile).
         check_block(h, 13, 5);
+        check_block(h, 70, 40);
         check_block(h, 150, 19);
         check_block(h, 3 * CHUNK - 2, 5);
     }
