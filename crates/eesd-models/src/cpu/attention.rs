@@ -945,26 +945,47 @@ unsafe fn chunk<V: Lanes, E: WeightElement, const G: usize, const T: usize, cons
             let mut from = lo;
             while from < end {
                 let to = (from + step).min(end);
-                for i in 0..n {
-                    let range = from..to.min(stored(i));
+                let mut i = 0;
+                while i < n {
+                    // Two rows share each value load where the registers hold both tiles: over
+                    // the positions both reach, then the longer row alone (its sums continue
+                    // from what the pair stored, so every chain keeps its order).
+                    let (end_i, end_j) = (to.min(stored(i)), to.min(stored((i + 1).min(n - 1))));
+                    let both = end_i.min(end_j);
+                    if pairs::<V, G, C>() && wide && i + 1 < n && both > from {
+                        let rows = (from..both).map(|p| (p - lo, p));
+                        let (s, o) = ([sums(i), sums(i + 1)], [parts.at(i, 0), parts.at(i + 1, 0)]);
+                        value_tile::<V, E, G, C, 2, _>(&s, rows, from > lo, col, o);
+                        for (r, end) in [(i, end_i), (i + 1, end_j)] {
+                            if end > both {
+                                let rows = (both..end).map(|p| (p - lo, p));
+                                let (s, o) = ([sums(r)], [parts.at(r, 0)]);
+                                value_tile::<V, E, G, C, 1, _>(&s, rows, true, col, o);
+                            }
+                        }
+                        i += 2;
+                        continue;
+                    }
+                    let range = from..end_i;
+                    i += 1;
                     if range.is_empty() {
                         continue;
                     }
                     let rows = range.map(|p| (p - lo, p));
-                    let (s, o) = (sums(i), parts.at(i, 0));
+                    let (s, o) = ([sums(i - 1)], [parts.at(i - 1, 0)]);
                     match wide {
-                        true => value_tile::<V, E, G, C, _>(&s, rows, from > lo, col, o),
-                        false => value_tile::<V, E, G, 1, _>(&s, rows, from > lo, col, o),
+                        true => value_tile::<V, E, G, C, 1, _>(&s, rows, from > lo, col, o),
+                        false => value_tile::<V, E, G, 1, 1, _>(&s, rows, from > lo, col, o),
                     }
                 }
                 from = to;
             }
             for i in (0..n).filter(|&i| hi(i) > stored(i)) {
                 let rows = (stored(i)..hi(i)).map(|p| (p - lo, job.store_row(i, p)));
-                let (s, o) = (sums(i), parts.at(i, 0));
+                let (s, o) = ([sums(i)], [parts.at(i, 0)]);
                 match wide {
-                    true => value_tile::<V, E, G, C, _>(&s, rows, stored(i) > lo, col, o),
-                    false => value_tile::<V, E, G, 1, _>(&s, rows, stored(i) > lo, col, o),
+                    true => value_tile::<V, E, G, C, 1, _>(&s, rows, stored(i) > lo, col, o),
+                    false => value_tile::<V, E, G, 1, 1, _>(&s, rows, stored(i) > lo, col, o),
                 }
             }
             col += if wide { C } else { 1 };
@@ -1048,9 +1069,17 @@ struct ValueSums<E> {
     head: usize,
 }
 
+/// Whether two rows' value tiles (`2 · G · C` accumulators, `2 · G` broadcast probabilities
+/// and a loaded value vector) fit the registers: only with AVX-512's 32.
+const fn pairs<V: Lanes, const G: usize, const C: usize>() -> bool {
+    V::WIDTH == WIDE && 2 * G * C + 2 * G < 32
+}
+
 /// Adds `(probability index, value row)` pairs `rows` into the weighted sums of `G` heads over
-/// value columns `col..col + C` (each 8 wide) at `out`, continuing the sums stored there when
-/// `more`.
+/// value columns `col..col + C` (each one register wide) of `R` block rows at once (`s[r]`
+/// and `out[r]`: row `r`'s probabilities and sums; the value rows are the same for all),
+/// continuing the sums stored there when `more`. Each value load serves all `R` rows; every
+/// sum is still its own chain over the positions in order.
 ///
 /// # Safety
 /// As [`run`].
@@ -1060,39 +1089,49 @@ unsafe fn value_tile<
     E: WeightElement,
     const G: usize,
     const C: usize,
+    const R: usize,
     I: Iterator<Item = (usize, usize)>,
 >(
-    s: &ValueSums<E>,
+    s: &[ValueSums<E>; R],
     rows: I,
     more: bool,
     col: usize,
-    out: *mut f32,
+    out: [*mut f32; R],
 ) {
     unsafe {
-        let mut acc = [[V::zero(); C]; G];
+        let (values, width, head) = (s[0].values, s[0].width, s[0].head);
+        let mut acc = [[[V::zero(); C]; G]; R];
         if more {
-            for (h, acc) in acc.iter_mut().enumerate() {
-                for (j, a) in acc.iter_mut().enumerate() {
-                    *a = V::load(out.add(h * s.head + (col + j) * V::WIDTH));
+            for (acc, out) in acc.iter_mut().zip(out) {
+                for (h, acc) in acc.iter_mut().enumerate() {
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        *a = V::load(out.add(h * head + (col + j) * V::WIDTH));
+                    }
                 }
             }
         }
         for (p, row) in rows {
-            let v_row = s.values.add(row * s.width + col * V::WIDTH);
-            let mut weights = [V::zero(); G];
-            for (h, w) in weights.iter_mut().enumerate() {
-                *w = V::splat(s.probs.add(h * CHUNK + p));
+            let v_row = values.add(row * width + col * V::WIDTH);
+            let mut weights = [[V::zero(); G]; R];
+            for (weights, s) in weights.iter_mut().zip(s) {
+                for (h, w) in weights.iter_mut().enumerate() {
+                    *w = V::splat(s.probs.add(h * CHUNK + p));
+                }
             }
             for j in 0..C {
                 let v = V::load_weights(v_row.add(j * V::WIDTH));
-                for (acc, w) in acc.iter_mut().zip(&weights) {
-                    acc[j] = V::mul_add(*w, v, acc[j]);
+                for (acc, weights) in acc.iter_mut().zip(&weights) {
+                    for (acc, w) in acc.iter_mut().zip(weights) {
+                        acc[j] = V::mul_add(*w, v, acc[j]);
+                    }
                 }
             }
         }
-        for (h, acc) in acc.iter().enumerate() {
-            for (j, a) in acc.iter().enumerate() {
-                a.store(out.add(h * s.head + (col + j) * V::WIDTH));
+        for (acc, out) in acc.iter().zip(out) {
+            for (h, acc) in acc.iter().enumerate() {
+                for (j, a) in acc.iter().enumerate() {
+                    a.store(out.add(h * head + (col + j) * V::WIDTH));
+                }
             }
         }
     }
@@ -1189,6 +1228,7 @@ mod tests {
         for (q, kv, d) in [
             (6, 2, 24),
             (3, 3, 64),
+            (9, 3, 64),
             (4, 2, 16),
             (8, 2, 8),
             (10, 2, 24),
