@@ -785,7 +785,9 @@ unsafe fn run<V: Lanes, E: WeightElement, const G: usize, const T: usize, const 
     let (partials, own) = rest.split_at_mut(n * G * part);
     unsafe {
         match work {
-            Work::Chunk { chunk: c, parts } => chunk::<V, E, G, T, C>(job, c, scores, own, parts),
+            Work::Chunk { chunk: c, parts } => {
+                chunk::<V, E, G, T, C>(job, c, scores, own, parts, true)
+            }
             Work::Fold { out, stride } => {
                 let parts = Parts {
                     base: partials.as_mut_ptr(),
@@ -794,7 +796,7 @@ unsafe fn run<V: Lanes, E: WeightElement, const G: usize, const T: usize, const 
                 };
                 let mut state = [[(0f32, 0f32); G]; MAX_TILE_ROWS];
                 for c in 0..job.chunks() {
-                    chunk::<V, E, G, T, C>(job, c, scores, own, parts);
+                    chunk::<V, E, G, T, C>(job, c, scores, own, parts, false);
                     for (i, state) in state.iter_mut().enumerate().take(n) {
                         if job.len(i) <= c * CHUNK {
                             continue;
@@ -831,6 +833,7 @@ unsafe fn run<V: Lanes, E: WeightElement, const G: usize, const T: usize, const 
 /// Each score and each output element is one chain over positions in the order a single row
 /// would use: the tile only shares loads (key blocks across rows, value chunks across rows,
 /// partial sums parked in `parts` between value chunks, which is exact).
+/// `alone`: the chunk is a task of its own (not one of a task walking every chunk in order).
 ///
 /// # Safety
 /// As [`run`]; `scores` holds `rows · G · CHUNK` values and `own` (tree tiles) `rows · G ·`
@@ -842,6 +845,7 @@ unsafe fn chunk<V: Lanes, E: WeightElement, const G: usize, const T: usize, cons
     scores: &mut [f32],
     own: &mut [f32],
     parts: Parts,
+    alone: bool,
 ) {
     const { assert!(V::WIDTH == NARROW || V::WIDTH == WIDE) };
     debug_assert_eq!(V::WIDTH, job.kv.block);
@@ -863,6 +867,23 @@ unsafe fn chunk<V: Lanes, E: WeightElement, const G: usize, const T: usize, cons
         // Scores, 8 positions per register: s[p] = Σ_c q[c] · k[p][c], one chain per lane; a
         // tile of T key blocks serves every row of the tile while it is in L1.
         let end = (0..n).map(stored).max().unwrap_or(lo);
+        // A chunk run as a task of its own starts cold, and its value rows are read only after
+        // its scores: ask for them now, so that their fetch overlaps the scores instead of
+        // following them (one row at 300-1,000 positions ≈ 10% faster on an Intel Xeon). A
+        // task walking all of a row's chunks is left to the hardware prefetchers, which
+        // follow it (prefetching there was 3-11% slower).
+        if alone {
+            let first = job
+                .kv
+                .v
+                .as_ptr()
+                .add(job.kv.value_at(job.head, lo))
+                .cast::<u8>();
+            let bytes = end.saturating_sub(lo) * d * size_of::<E>();
+            for line in (0..bytes).step_by(64) {
+                V::prefetch_l2(first.add(line));
+            }
+        }
         let mut block = lo / lanes;
         while block * lanes < end {
             for i in 0..n {
