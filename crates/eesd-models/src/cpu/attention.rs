@@ -24,7 +24,7 @@ use super::isa::Isa;
 use super::lanes::sealed::Kind;
 use super::lanes::{Lanes, Soft, WeightElement};
 use super::pool::{Disjoint, Pool};
-use super::rows::{exp, max, sum};
+use super::rows::{exp, max_each, sum_each};
 use eesd_core::TreeMask;
 
 /// Positions per key block where AVX-512 is absent (the f32 lanes of one AVX2 register).
@@ -932,19 +932,27 @@ unsafe fn chunk<V: Lanes, E: WeightElement, const G: usize, const T: usize, cons
         }
         // Per row and head: the softmax over the chunk's positions (unnormalised; the sum
         // divides at the end), its maximum and sum kept with the partial.
+        // The row's G heads go through each reduction together (independent chains, each
+        // head's value exactly as alone).
         for i in (0..n).filter(|&i| hi(i) > lo) {
+            let len = hi(i) - lo;
+            let head = |h: usize| std::slice::from_raw_parts_mut(row_s(i).add(h * CHUNK), len);
             for h in 0..G {
-                let s = std::slice::from_raw_parts_mut(row_s(i).add(h * CHUNK), hi(i) - lo);
-                for x in s.iter_mut() {
+                for x in head(h).iter_mut() {
                     *x *= scale;
                 }
-                let max = max(s);
-                for x in s.iter_mut() {
+            }
+            let maxes = max_each::<G>(std::array::from_fn(|h| &*head(h)));
+            for (h, &max) in maxes.iter().enumerate() {
+                for x in head(h).iter_mut() {
                     *x = exp(*x - max);
                 }
+            }
+            let sums = sum_each::<G>(std::array::from_fn(|h| &*head(h)));
+            for (h, (&max, &sum)) in maxes.iter().zip(&sums).enumerate() {
                 let p = parts.at(i, h);
                 *p.add(d) = max;
-                *p.add(d + 1) = sum(s);
+                *p.add(d + 1) = sum;
             }
         }
         // out[h][c] = Σ_p prob[h][p] · v[p][c], C columns of 8 at a time: the store positions

@@ -59,6 +59,56 @@ pub fn sum(x: &[f32]) -> f32 {
     s
 }
 
+/// [`max`] of `N` slices of one length at once: each slice's lanes and order exactly as
+/// [`max`] takes them (the same value), with `N` times the independent chains, so short slices
+/// (a softmax's per-head scores) are not bound by the latency of one chain.
+#[inline(always)]
+pub fn max_each<const N: usize>(xs: [&[f32]; N]) -> [f32; N] {
+    let len = xs.first().map_or(0, |x| x.len());
+    debug_assert!(xs.iter().all(|x| x.len() == len));
+    let whole = len / 8 * 8;
+    let mut lanes = [[f32::NEG_INFINITY; 8]; N];
+    for at in (0..whole).step_by(8) {
+        for (lanes, x) in lanes.iter_mut().zip(xs) {
+            let c = &x[at..at + 8];
+            for l in 0..8 {
+                lanes[l] = if c[l] > lanes[l] { c[l] } else { lanes[l] };
+            }
+        }
+    }
+    std::array::from_fn(|i| {
+        lanes[i]
+            .into_iter()
+            .chain(xs[i][whole..].iter().copied())
+            .fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m })
+    })
+}
+
+/// [`sum`] of `N` slices of one length at once: each slice's partial sums and order exactly
+/// as [`sum`] takes them (the same value), with `N` times the independent chains.
+#[inline(always)]
+pub fn sum_each<const N: usize>(xs: [&[f32]; N]) -> [f32; N] {
+    let len = xs.first().map_or(0, |x| x.len());
+    debug_assert!(xs.iter().all(|x| x.len() == len));
+    let whole = len / 8 * 8;
+    let mut acc = [[0f32; 8]; N];
+    for at in (0..whole).step_by(8) {
+        for (acc, x) in acc.iter_mut().zip(xs) {
+            let c = &x[at..at + 8];
+            for l in 0..8 {
+                acc[l] += c[l];
+            }
+        }
+    }
+    std::array::from_fn(|i| {
+        let mut s = tree_sum(acc[i]);
+        for &v in &xs[i][whole..] {
+            s += v;
+        }
+        s
+    })
+}
+
 /// `Σ x²` in eight partial sums added in a fixed tree, then the tail in order.
 #[inline(always)]
 pub fn sum_of_squares(x: &[f32]) -> f32 {
@@ -125,6 +175,29 @@ pub use eesd_core::math::exp;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reductions_of_several_slices_equal_each_alone() {
+        for len in [0, 1, 7, 8, 9, 64, 100, 128] {
+            let row = |seed: u32| -> Vec<f32> {
+                (0..len as u32)
+                    .map(|i| ((i ^ seed).wrapping_mul(2_654_435_761) >> 8) as f32 * 1e-6 - 5.0)
+                    .collect()
+            };
+            let (mut a, b, mut c) = (row(1), row(2), row(3));
+            if len > 8 {
+                // NaN is passed over by the maximum; infinities win it.
+                a[3] = f32::NAN;
+                c[len - 1] = f32::INFINITY;
+            }
+            let each = max_each([&a[..], &b, &c]);
+            let alone = [max(&a), max(&b), max(&c)];
+            assert_eq!(each.map(f32::to_bits), alone.map(f32::to_bits), "max, {len}");
+            let each = sum_each([&a[..], &b, &c]);
+            let alone = [sum(&a), sum(&b), sum(&c)];
+            assert_eq!(each.map(f32::to_bits), alone.map(f32::to_bits), "sum, {len}");
+        }
+    }
 
     #[test]
     fn rms_norm_matches_its_definition() {
