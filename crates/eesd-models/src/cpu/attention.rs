@@ -85,6 +85,13 @@ impl<E: WeightElement> Clone for KvStore<E> {
     }
 }
 
+impl<E: WeightElement> Default for KvStore<E> {
+    /// An empty store of no heads.
+    fn default() -> Self {
+        Self::with_block(0, 0, NARROW)
+    }
+}
+
 impl<E: WeightElement> KvStore<E> {
     /// An empty store for `kv_heads` heads of width `d`, in the key layout of this CPU's
     /// widest kernel (blocks of 16 positions with AVX-512 where `d` is a multiple of 16, else 8).

@@ -192,10 +192,18 @@ mod tests {
             }
             let each = max_each([&a[..], &b, &c]);
             let alone = [max(&a), max(&b), max(&c)];
-            assert_eq!(each.map(f32::to_bits), alone.map(f32::to_bits), "max, {len}");
+            assert_eq!(
+                each.map(f32::to_bits),
+                alone.map(f32::to_bits),
+                "max, {len}"
+            );
             let each = sum_each([&a[..], &b, &c]);
             let alone = [sum(&a), sum(&b), sum(&c)];
-            assert_eq!(each.map(f32::to_bits), alone.map(f32::to_bits), "sum, {len}");
+            assert_eq!(
+                each.map(f32::to_bits),
+                alone.map(f32::to_bits),
+                "sum, {len}"
+            );
         }
     }
 
