@@ -23,45 +23,26 @@ pub fn add_assign(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
 }
 
-/// The largest value of `x` (−∞ when empty; NaNs are passed over), in eight lanes that the
-/// compiler turns into vector max instructions.
+/// The largest value of `x` (−∞ when empty; NaNs are passed over): [`max_each`] of one slice.
 #[inline(always)]
 pub fn max(x: &[f32]) -> f32 {
-    let mut lanes = [f32::NEG_INFINITY; 8];
-    let chunks = x.chunks_exact(8);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for l in 0..8 {
-            lanes[l] = if c[l] > lanes[l] { c[l] } else { lanes[l] };
-        }
-    }
-    lanes
-        .into_iter()
-        .chain(tail.iter().copied())
-        .fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m })
+    let [m] = max_each([x]);
+    m
 }
 
-/// `Σ x` in eight partial sums added in a fixed tree, then the tail in order.
+/// `Σ x` in eight partial sums added in a fixed tree, then the tail in order: [`sum_each`] of
+/// one slice.
 #[inline(always)]
 pub fn sum(x: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let chunks = x.chunks_exact(8);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for l in 0..8 {
-            acc[l] += c[l];
-        }
-    }
-    let mut s = tree_sum(acc);
-    for &v in tail {
-        s += v;
-    }
+    let [s] = sum_each([x]);
     s
 }
 
-/// [`max`] of `N` slices of one length at once: each slice's lanes and order exactly as
-/// [`max`] takes them (the same value), with `N` times the independent chains, so short slices
-/// (a softmax's per-head scores) are not bound by the latency of one chain.
+/// The largest value of each of `N` slices of one length (−∞ when empty; NaNs are passed
+/// over), in eight lanes per slice that the compiler turns into vector max instructions. Each
+/// slice's lanes and order are the same whatever `N` (the same value as alone); several slices
+/// at once give `N` times the independent chains, so short slices (a softmax's per-head
+/// scores) are not bound by the latency of one chain.
 #[inline(always)]
 pub fn max_each<const N: usize>(xs: [&[f32]; N]) -> [f32; N] {
     let len = xs.first().map_or(0, |x| x.len());
@@ -84,8 +65,9 @@ pub fn max_each<const N: usize>(xs: [&[f32]; N]) -> [f32; N] {
     })
 }
 
-/// [`sum`] of `N` slices of one length at once: each slice's partial sums and order exactly
-/// as [`sum`] takes them (the same value), with `N` times the independent chains.
+/// `Σ x` of each of `N` slices of one length, in eight partial sums per slice added in a fixed
+/// tree, then the tail in order: the same value whatever `N`, with `N` times the independent
+/// chains.
 #[inline(always)]
 pub fn sum_each<const N: usize>(xs: [&[f32]; N]) -> [f32; N] {
     let len = xs.first().map_or(0, |x| x.len());
@@ -176,6 +158,33 @@ pub use eesd_core::math::exp;
 mod tests {
     use super::*;
 
+    /// What [`max`] promises, one value at a time: lane `i % 8` over the whole groups of eight,
+    /// then the lanes and the tail folded in order.
+    fn max_by_rule(x: &[f32]) -> f32 {
+        let whole = x.len() / 8 * 8;
+        let mut lanes = [f32::NEG_INFINITY; 8];
+        for (i, &v) in x[..whole].iter().enumerate() {
+            if v > lanes[i % 8] {
+                lanes[i % 8] = v;
+            }
+        }
+        lanes
+            .into_iter()
+            .chain(x[whole..].iter().copied())
+            .fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m })
+    }
+
+    /// What [`sum`] promises, one value at a time: lane `i % 8` over the whole groups of eight,
+    /// the lanes added in the fixed tree, then the tail in order.
+    fn sum_by_rule(x: &[f32]) -> f32 {
+        let whole = x.len() / 8 * 8;
+        let mut lanes = [0f32; 8];
+        for (i, &v) in x[..whole].iter().enumerate() {
+            lanes[i % 8] += v;
+        }
+        x[whole..].iter().fold(tree_sum(lanes), |s, &v| s + v)
+    }
+
     #[test]
     fn reductions_of_several_slices_equal_each_alone() {
         for len in [0, 1, 7, 8, 9, 64, 100, 128] {
@@ -197,12 +206,24 @@ mod tests {
                 alone.map(f32::to_bits),
                 "max, {len}"
             );
+            let rule = [max_by_rule(&a), max_by_rule(&b), max_by_rule(&c)];
+            assert_eq!(
+                alone.map(f32::to_bits),
+                rule.map(f32::to_bits),
+                "max rule, {len}"
+            );
             let each = sum_each([&a[..], &b, &c]);
             let alone = [sum(&a), sum(&b), sum(&c)];
             assert_eq!(
                 each.map(f32::to_bits),
                 alone.map(f32::to_bits),
                 "sum, {len}"
+            );
+            let rule = [sum_by_rule(&a), sum_by_rule(&b), sum_by_rule(&c)];
+            assert_eq!(
+                alone.map(f32::to_bits),
+                rule.map(f32::to_bits),
+                "sum rule, {len}"
             );
         }
     }
