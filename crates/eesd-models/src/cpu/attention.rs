@@ -894,25 +894,15 @@ unsafe fn chunk<V: Lanes, E: WeightElement, const G: usize, const T: usize, cons
         let mut block = lo / lanes;
         while block * lanes < end {
             for i in 0..n {
-                let blocks = stored(i).div_ceil(lanes);
-                let at = |b: usize| row_s(i).add((b - lo / lanes) * lanes);
-                let key = |b: usize| keys.add(b * block_stride);
-                if block + T <= blocks {
-                    score_tile::<V, E, G, T>(
-                        row_q(i),
-                        d,
-                        key(block),
-                        block_stride,
-                        at(block),
-                        CHUNK,
-                    );
-                } else {
-                    let mut b = block;
-                    while b < blocks {
-                        let (q, k, s) = (row_q(i), key(b), at(b));
-                        b += score_few::<V, E, G, T>(q, d, k, block_stride, s, CHUNK, blocks - b);
-                    }
+                let count = stored(i).div_ceil(lanes).saturating_sub(block).min(T);
+                if count == 0 {
+                    continue;
                 }
+                let (k, s) = (
+                    keys.add(block * block_stride),
+                    row_s(i).add(block * lanes - lo),
+                );
+                score_blocks::<V, E, G, T>(row_q(i), d, k, block_stride, s, CHUNK, count);
             }
             block += T;
         }
@@ -922,13 +912,9 @@ unsafe fn chunk<V: Lanes, E: WeightElement, const G: usize, const T: usize, cons
             let span = own_span(job, n - 1);
             for i in (0..n).filter(|&i| hi(i) > stored(i)) {
                 let o = own.as_mut_ptr().add(i * G * span);
-                let blocks = (job.first + job.r0 + i + 1).div_ceil(lanes);
-                let mut b = base;
-                while b < blocks {
-                    let (k, at) = (keys.add(b * block_stride), o.add((b - base) * lanes));
-                    b +=
-                        score_few::<V, E, G, T>(row_q(i), d, k, block_stride, at, span, blocks - b);
-                }
+                let count = (job.first + job.r0 + i + 1).div_ceil(lanes) - base;
+                let k = keys.add(base * block_stride);
+                score_blocks::<V, E, G, T>(row_q(i), d, k, block_stride, o, span, count);
                 for h in 0..G {
                     for p in stored(i)..hi(i) {
                         let row = job.store_row(i, p);
@@ -1065,33 +1051,42 @@ unsafe fn score_tile<V: Lanes, E: WeightElement, const G: usize, const T: usize>
     }
 }
 
-/// Scores of `G` heads against the first of `left` key blocks (fewer than a whole tile) as
-/// [`score_tile`] would give them, in a tile of 4, 2 or 1 blocks (never more than `T`): the
-/// key blocks at the end of a row, which one block at a time would leave only `G` chains, too
-/// few to hide the multiply-add latency. Returns the blocks done.
+/// Scores of `G` heads against `count` consecutive key blocks from `keys`, stored as
+/// [`score_tile`] stores them: in tiles of `T` blocks, then of 4, 2 and 1 (never more than `T`)
+/// for what is left, so that the blocks at the end of a row still run several chains each (one
+/// block alone leaves only `G`, too few to hide the multiply-add latency).
 ///
 /// # Safety
-/// As [`score_tile`], with `left` blocks at `keys`.
+/// As [`score_tile`], with `count` blocks at `keys` and room for their scores.
 #[inline(always)]
-unsafe fn score_few<V: Lanes, E: WeightElement, const G: usize, const T: usize>(
+unsafe fn score_blocks<V: Lanes, E: WeightElement, const G: usize, const T: usize>(
     q: *const f32,
     d: usize,
     keys: *const E,
     block_stride: usize,
     scores: *mut f32,
     padded: usize,
-    left: usize,
-) -> usize {
-    unsafe {
-        if T >= 4 && left >= 4 {
-            score_tile::<V, E, G, 4>(q, d, keys, block_stride, scores, padded);
-            4
-        } else if T >= 2 && left >= 2 {
-            score_tile::<V, E, G, 2>(q, d, keys, block_stride, scores, padded);
-            2
-        } else {
-            score_tile::<V, E, G, 1>(q, d, keys, block_stride, scores, padded);
-            1
+    count: usize,
+) {
+    let mut t = 0;
+    while t < count {
+        let left = count - t;
+        // SAFETY: blocks t.. are among the `count` promised.
+        unsafe {
+            let (k, s) = (keys.add(t * block_stride), scores.add(t * V::WIDTH));
+            t += if left >= T {
+                score_tile::<V, E, G, T>(q, d, k, block_stride, s, padded);
+                T
+            } else if T >= 4 && left >= 4 {
+                score_tile::<V, E, G, 4>(q, d, k, block_stride, s, padded);
+                4
+            } else if T >= 2 && left >= 2 {
+                score_tile::<V, E, G, 2>(q, d, k, block_stride, s, padded);
+                2
+            } else {
+                score_tile::<V, E, G, 1>(q, d, k, block_stride, s, padded);
+                1
+            };
         }
     }
 }
