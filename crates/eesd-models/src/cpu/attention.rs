@@ -972,9 +972,14 @@ unsafe fn chunk<V: Lanes, E: WeightElement, const G: usize, const T: usize, cons
                     // Two rows share each value load where the registers hold both tiles: over
                     // the positions both reach, then the longer row alone (its sums continue
                     // from what the pair stored, so every chain keeps its order).
-                    let (end_i, end_j) = (to.min(stored(i)), to.min(stored((i + 1).min(n - 1))));
+                    let end_i = to.min(stored(i));
+                    let end_j = if i + 1 < n {
+                        to.min(stored(i + 1))
+                    } else {
+                        from
+                    };
                     let both = end_i.min(end_j);
-                    if pairs::<V, G, C>() && wide && i + 1 < n && both > from {
+                    if pairs::<V, G, C>() && wide && both > from {
                         let rows = (from..both).map(|p| (p - lo, p));
                         let (s, o) = ([sums(i), sums(i + 1)], [parts.at(i, 0), parts.at(i + 1, 0)]);
                         value_tile::<V, E, G, C, 2, _>(&s, rows, from > lo, col, o);
