@@ -8,6 +8,7 @@
 #[macro_use]
 mod dispatch;
 
+mod amx;
 pub mod attention;
 #[cfg(feature = "flex")]
 pub(crate) mod decoder;

@@ -377,6 +377,67 @@ pub(crate) unsafe fn wide_tile(
     }
 }
 
+/// One AMX call's results: `tile[m][h · 8 + o]` for activation row `j + m` and row `o` of the
+/// call's panel `h` (0 or 1).
+pub(crate) type AmxTile = [[f32; 2 * ROWS]; super::amx::ROWS];
+
+/// Whether the AMX kernel takes `format` (every panel format with one scale per 32 codes; Q6_K's
+/// halves of 16 stay with VNNI).
+pub(crate) fn amx_format(format: QuantFormat) -> bool {
+    format != QuantFormat::Q6K
+}
+
+/// Panels `a` and `b` (as [`wide_tile`]) against activation rows `j..j + m` into `tile[..m]`,
+/// with AMX tiles for the integer sums: the same bits as [`wide_tile`].
+///
+/// # Safety
+/// [`wide`] holds for the CPU and [`super::amx::enabled`] returned true; the calling thread
+/// loaded [`super::amx::Config::for_rows`]`(m)`; [`amx_format`] holds for `format`, a panel
+/// format; `1 ≤ m ≤ 16` and rows `j..j + m` exist in `acts`.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn amx_tile(
+    format: QuantFormat,
+    a: &[u8],
+    b: &[u8],
+    acts: &Q8Rows,
+    j: usize,
+    m: usize,
+    tile: &mut AmxTile,
+) {
+    macro_rules! rows {
+        ($f:literal) => {
+            match m {
+                16 => x86::amx_tile::<$f, 16>(a, b, acts, j, tile),
+                15 => x86::amx_tile::<$f, 15>(a, b, acts, j, tile),
+                14 => x86::amx_tile::<$f, 14>(a, b, acts, j, tile),
+                13 => x86::amx_tile::<$f, 13>(a, b, acts, j, tile),
+                12 => x86::amx_tile::<$f, 12>(a, b, acts, j, tile),
+                11 => x86::amx_tile::<$f, 11>(a, b, acts, j, tile),
+                10 => x86::amx_tile::<$f, 10>(a, b, acts, j, tile),
+                9 => x86::amx_tile::<$f, 9>(a, b, acts, j, tile),
+                8 => x86::amx_tile::<$f, 8>(a, b, acts, j, tile),
+                7 => x86::amx_tile::<$f, 7>(a, b, acts, j, tile),
+                6 => x86::amx_tile::<$f, 6>(a, b, acts, j, tile),
+                5 => x86::amx_tile::<$f, 5>(a, b, acts, j, tile),
+                4 => x86::amx_tile::<$f, 4>(a, b, acts, j, tile),
+                3 => x86::amx_tile::<$f, 3>(a, b, acts, j, tile),
+                2 => x86::amx_tile::<$f, 2>(a, b, acts, j, tile),
+                _ => x86::amx_tile::<$f, 1>(a, b, acts, j, tile),
+            }
+        };
+    }
+    // SAFETY: as this function's.
+    unsafe {
+        match format {
+            QuantFormat::Q4_0 => rows!(0),
+            QuantFormat::Q4_1 => rows!(1),
+            QuantFormat::Q4K => rows!(3),
+            _ => rows!(2),
+        }
+    }
+}
+
 /// The panel formats by index (a constant the compiler folds into each kernel instance).
 const FORMATS: [QuantFormat; 5] = [
     QuantFormat::Q4_0,
@@ -713,6 +774,139 @@ mod x86 {
                     acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[m]), scale, acc[m]);
                     if let Some(offset) = offset {
                         let sx = _mm512_set1_ps(*sums.add(sum_index(subs, j + m, n)));
+                        acc[m] = _mm512_fmadd_ps(offset, sx, acc[m]);
+                    }
+                }
+            }
+            for m in 0..M {
+                _mm512_storeu_ps(tile[m].as_mut_ptr(), acc[m]);
+            }
+        }
+    }
+
+    /// One sub-block's codes of two panels as an AMX weight tile (8 rows of 64 bytes: row `i`
+    /// holds codes `4i..4i + 4` of the 16 outputs), and the tile of its sums; two of each, for
+    /// the sub-block in the tile unit and the one being scaled.
+    #[repr(C, align(64))]
+    struct Stage {
+        codes: [[u8; 512]; 2],
+        sums: [[i32; 256]; 2],
+    }
+
+    /// The AMX kernel for `M` activation rows against two panels: each sub-block's 16 × `M`
+    /// exact integer sums by one `tdpbssd` (activation codes × the panels' codes, both signed),
+    /// then the module's float arithmetic as [`vnni_tile`], lane for lane. The product of
+    /// sub-block `n` runs in the tiles of parity `n % 2` while sub-block `n − 1`'s sums are
+    /// scaled.
+    ///
+    /// # Safety
+    /// As [`super::amx_tile`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[allow(clippy::needless_range_loop)]
+    pub(super) unsafe fn amx_tile<const F: usize, const M: usize>(
+        a: &[u8],
+        b: &[u8],
+        acts: &Q8Rows,
+        j: usize,
+        tile: &mut super::AmxTile,
+    ) {
+        use crate::cpu::amx;
+        let format = FORMATS[F];
+        let (k, subs, sb) = (acts.k, acts.k / SUB, sub_bytes(format));
+        let mut stage = std::mem::MaybeUninit::<Stage>::uninit();
+        let stage = stage.as_mut_ptr();
+        unsafe {
+            let low4 = _mm512_set1_epi8(0x0f);
+            let mut acc = [_mm512_setzero_ps(); M];
+            let xq = acts.q.as_ptr().add(j * k).cast::<u8>();
+            let dx = acts.d.as_ptr().add(j * subs);
+            let sums = acts.sum.as_ptr();
+            let h = header(format);
+            // A macro, not a closure: closures do not inherit the function's target features.
+            macro_rules! stage_codes {
+                ($n:expr) => {{
+                let n = $n;
+                let (sa, sb_) = (a.as_ptr().add(n * sb), b.as_ptr().add(n * sb));
+                for line in 0..sb.div_ceil(64) {
+                    // Prefetches never fault, past the end included.
+                    _mm_prefetch::<_MM_HINT_T1>(sa.wrapping_add(WIDE_PREFETCH + 64 * line).cast());
+                    _mm_prefetch::<_MM_HINT_T1>(sb_.wrapping_add(WIDE_PREFETCH + 64 * line).cast());
+                }
+                let codes = (*stage).codes[n % 2].as_mut_ptr();
+                if format == QuantFormat::Q8_0 {
+                    for i in 0..8 {
+                        _mm512_store_si512(codes.add(64 * i).cast(), join(sa, sb_, h + 32 * i));
+                    }
+                } else {
+                    // Vector `t`'s low nibbles are codes `8t..8t + 4`, its high ones the next 4.
+                    for t in 0..4 {
+                        let packed = join(sa, sb_, h + 32 * t);
+                        let lo = _mm512_and_si512(packed, low4);
+                        let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(packed), low4);
+                        _mm512_store_si512(codes.add(128 * t).cast(), lo);
+                        _mm512_store_si512(codes.add(128 * t + 64).cast(), hi);
+                    }
+                }
+                }};
+            }
+            stage_codes!(0);
+            for n in 0..=subs {
+                if n < subs {
+                    // The next sub-block's codes are staged a step ahead: a tile load right
+                    // after the stores that wrote its bytes waits for them (≈ 2× the step).
+                    if n + 1 < subs {
+                        stage_codes!(n + 1);
+                    }
+                    let codes = (*stage).codes[n % 2].as_ptr();
+                    let x = xq.add(n * SUB);
+                    macro_rules! product {
+                        ($c:literal, $a:literal, $b:literal) => {{
+                            amx::load::<$a>(x, k);
+                            amx::load::<$b>(codes, 64);
+                            amx::zero::<$c>();
+                            amx::dot::<$c, $a, $b>();
+                        }};
+                    }
+                    // Sums in four tiles in turn: zeroing a tile waits for its last store.
+                    match n % 4 {
+                        0 => product!(0, 4, 6),
+                        1 => product!(1, 5, 7),
+                        2 => product!(2, 4, 6),
+                        _ => product!(3, 5, 7),
+                    }
+                }
+                if n == 0 {
+                    continue;
+                }
+                // Sub-block `p`'s sums, stored after the next product is under way (a tile
+                // store waits for its product, and the work after it with it), then scaled as
+                // the VNNI kernel scales them.
+                let p = n - 1;
+                let out = (*stage).sums[p % 2].as_mut_ptr().cast::<u8>();
+                match p % 4 {
+                    0 => amx::store::<0>(out, 64),
+                    1 => amx::store::<1>(out, 64),
+                    2 => amx::store::<2>(out, 64),
+                    _ => amx::store::<3>(out, 64),
+                }
+                let (sa, sb_) = (a.as_ptr().add(p * sb), b.as_ptr().add(p * sb));
+                let dots = (*stage).sums[p % 2].as_ptr();
+                let d = match format {
+                    QuantFormat::Q4K => join_f32(sa, sb_, 0),
+                    _ => join_f16(sa, sb_, 0),
+                };
+                let offset = match format {
+                    QuantFormat::Q4_0 => Some(_mm512_mul_ps(d, _mm512_set1_ps(-8.0))),
+                    QuantFormat::Q4_1 => Some(join_f16(sa, sb_, 16)),
+                    QuantFormat::Q4K => Some(join_f32(sa, sb_, 32)),
+                    _ => None,
+                };
+                for m in 0..M {
+                    let dot = _mm512_load_si512(dots.add(16 * m).cast());
+                    let scale = _mm512_mul_ps(d, _mm512_set1_ps(*dx.add(m * subs + p)));
+                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[m]);
+                    if let Some(offset) = offset {
+                        let sx = _mm512_set1_ps(*sums.add(sum_index(subs, j + m, p)));
                         acc[m] = _mm512_fmadd_ps(offset, sx, acc[m]);
                     }
                 }
