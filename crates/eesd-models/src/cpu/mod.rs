@@ -8,7 +8,6 @@
 #[macro_use]
 mod dispatch;
 
-mod amx;
 pub mod attention;
 #[cfg(feature = "flex")]
 pub(crate) mod decoder;

@@ -381,11 +381,6 @@ unsafe fn wide_units(
     let (k, out, rows) = (m.k, m.out, qpanel::ROWS);
     let panel_bytes = k / SUB * qpanel::sub_bytes(part.format);
     let panels = part.rows.div_ceil(rows);
-    if acts.rows >= AMX_MIN_ROWS && qpanel::amx_format(part.format) && super::amx::enabled() {
-        // SAFETY: as this function's; AMX is enabled and takes the format.
-        unsafe { amx_units(part, m, acts, units, y) };
-        return;
-    }
     let groups = row_groups(acts.rows, qpanel::WIDE_ACTS);
     let mut tile = [[0f32; 2 * qpanel::ROWS]; qpanel::WIDE_ACTS];
     for u in units {
@@ -401,57 +396,6 @@ unsafe fn wide_units(
             // SAFETY: as this function's; rows `j..j + count` exist.
             unsafe { store_tile(&tile[..count], y, out, j, o, valid) };
         }
-    }
-}
-
-/// Activation rows from which the wide kernel's products take AMX tiles where the CPU has them
-/// ([`qpanel::amx_tile`]).
-const AMX_MIN_ROWS: usize = 12;
-
-/// [`wide_units`] with AMX tiles for the integer sums, up to 16 activation rows per tile: the
-/// same bits.
-///
-/// # Safety
-/// As [`wide_units`]; [`super::amx::enabled`] and [`qpanel::amx_format`] hold.
-#[cfg(target_arch = "x86_64")]
-unsafe fn amx_units(
-    part: &Part,
-    m: &QuantMatrix,
-    acts: &Q8Rows,
-    units: std::ops::Range<usize>,
-    y: *mut f32,
-) {
-    use super::amx;
-    let (k, out, rows) = (m.k, m.out, qpanel::ROWS);
-    let panel_bytes = k / SUB * qpanel::sub_bytes(part.format);
-    let panels = part.rows.div_ceil(rows);
-    let groups = row_groups(acts.rows, amx::ROWS);
-    let mut tile = [[0f32; 2 * qpanel::ROWS]; amx::ROWS];
-    // The tiles' shape follows the group's rows; groups differ by one row at most.
-    let mut configured = 0;
-    for u in units {
-        let (p, q) = (2 * u, (2 * u + 1).min(panels - 1));
-        let a = &part.data[p * panel_bytes..][..panel_bytes];
-        let b = &part.data[q * panel_bytes..][..panel_bytes];
-        let o = part.first + p * rows;
-        let valid = (part.rows - p * rows).min(if q > p { 2 * rows } else { rows });
-        for group in groups.clone() {
-            let (j, count) = (group.start, group.len());
-            if count != configured {
-                // SAFETY: AMX is enabled (the caller checked); `1 ≤ count ≤ 16`.
-                unsafe { amx::Config::for_rows(count).load() };
-                configured = count;
-            }
-            // SAFETY: the part is in panels of a format AMX takes, the tiles are configured
-            // for `count ≤ 16` rows, the caller checked the CPU.
-            unsafe { qpanel::amx_tile(part.format, a, b, acts, j, count, &mut tile) };
-            // SAFETY: as this function's; rows `j..j + count` exist.
-            unsafe { store_tile(&tile[..count], y, out, j, o, valid) };
-        }
-    }
-    if configured > 0 {
-        // SAFETY: AMX is enabled.
-        unsafe { amx::release() };
     }
 }
 
@@ -577,7 +521,7 @@ mod tests {
             )
             .unwrap();
             for isa in isas() {
-                for b in [2, 3, 4, 7, 8, 11, 13, 16, 20, 33] {
+                for b in [2, 3, 7, 8, 16, 33] {
                     let x = values(b * k, 11 + b as u32);
                     let block = product(isa, &three, &m, &x);
                     for j in 0..b {
