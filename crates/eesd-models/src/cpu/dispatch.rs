@@ -1,13 +1,14 @@
-//! Compiling plain-Rust loops for AVX2 as well as the baseline, chosen at run time.
+//! Compiling plain-Rust loops for AVX-512 and AVX2 as well as the baseline, chosen at run time.
 //!
 //! The row operations and attention are written with ordinary f32 arithmetic in an explicit
-//! order. Rust never fuses a multiply and an add on its own, so the AVX2 build computes exactly
-//! what the baseline build computes, only with wider registers: the choice changes speed, not
-//! results.
+//! order. Rust never fuses a multiply and an add on its own, so the AVX-512 and AVX2 builds
+//! compute exactly what the baseline build computes, only with wider registers: the choice
+//! changes speed, not results.
 
-/// Defines `pub(crate) fn $name($args) -> $ret` that runs `$body` compiled with AVX2 and FMA
-/// enabled when the CPU has them (and [`Isa::detect`](super::Isa::detect) allows), else the
-/// baseline build.
+/// Defines `pub(crate) fn $name($args) -> $ret` that runs `$body` compiled with AVX-512 (F, BW,
+/// VL, DQ), or else AVX2 and FMA, enabled when the CPU has them (and
+/// [`Isa::detect`](super::Isa::detect) allows), else the baseline build. (AVX-512: the SiLU's
+/// `exp` and division in 16 lanes; SwiGLU of 4 rows 0.28–0.32 → 0.23 ms a pass on the Xeon.)
 macro_rules! simd_fn {
     ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
         $(#[$meta])*
@@ -16,9 +17,21 @@ macro_rules! simd_fn {
             fn imp($($arg: $ty),*) $(-> $ret)? $body
             #[cfg(target_arch = "x86_64")]
             {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+                unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
+                    imp($($arg),*)
+                }
                 #[target_feature(enable = "avx2,fma")]
                 unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
                     imp($($arg),*)
+                }
+                if $crate::cpu::Isa::detect() == $crate::cpu::Isa::Avx512
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+                    && std::arch::is_x86_feature_detected!("avx512vl")
+                    && std::arch::is_x86_feature_detected!("avx512dq")
+                {
+                    // SAFETY: the CPU has every feature the build enables.
+                    return unsafe { avx512($($arg),*) };
                 }
                 if $crate::cpu::Isa::detect() != $crate::cpu::Isa::Portable {
                     // SAFETY: `detect` reports AVX2 and FMA only when the CPU has them.
