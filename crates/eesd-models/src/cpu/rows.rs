@@ -157,6 +157,7 @@ pub use eesd_core::math::exp;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::test_inputs::same_bits;
 
     /// What [`max`] promises, one value at a time: lane `i % 8` over the whole groups of eight,
     /// then the lanes and the tail folded in order.
@@ -201,30 +202,14 @@ mod tests {
             }
             let each = max_each([&a[..], &b, &c]);
             let alone = [max(&a), max(&b), max(&c)];
-            assert_eq!(
-                each.map(f32::to_bits),
-                alone.map(f32::to_bits),
-                "max, {len}"
-            );
+            assert!(same_bits(&each, &alone), "max, {len}");
             let rule = [max_by_rule(&a), max_by_rule(&b), max_by_rule(&c)];
-            assert_eq!(
-                alone.map(f32::to_bits),
-                rule.map(f32::to_bits),
-                "max rule, {len}"
-            );
+            assert!(same_bits(&alone, &rule), "max rule, {len}");
             let each = sum_each([&a[..], &b, &c]);
             let alone = [sum(&a), sum(&b), sum(&c)];
-            assert_eq!(
-                each.map(f32::to_bits),
-                alone.map(f32::to_bits),
-                "sum, {len}"
-            );
+            assert!(same_bits(&each, &alone), "sum, {len}");
             let rule = [sum_by_rule(&a), sum_by_rule(&b), sum_by_rule(&c)];
-            assert_eq!(
-                alone.map(f32::to_bits),
-                rule.map(f32::to_bits),
-                "sum rule, {len}"
-            );
+            assert!(same_bits(&alone, &rule), "sum rule, {len}");
         }
     }
 
