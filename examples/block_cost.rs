@@ -7,8 +7,8 @@
 //! In the same run it measures the machine's read bandwidth, FMA peak and 8-bit integer
 //! multiply-add peak (on the kernels' threads and instruction set; the best of a probe before and
 //! one after the blocks) and reports, per weight dtype and block size: the time of a full forward
-//! pass (best of `--reps`, taken round the block sizes, after a chat prompt), its ratio to one
-//! token, the roofline time `max(bytes / bandwidth, flops / FMA peak + int8 ops / int8 peak)`
+//! pass (best of `--reps`, taken round the block sizes, each after `--warm` untimed passes of
+//! the same block, after a chat prompt), its ratio to one token, the roofline time `max(bytes / bandwidth, flops / FMA peak + int8 ops / int8 peak)`
 //! (int8 ops: the natively quantized matrices' products) and efficiency = roofline / measured.
 //! With `--steps` (flex) it also splits the best pass of each block by step of the decoder
 //! layers (norms, products, RoPE, attention, gating, residuals, summed over the layers) and
@@ -43,6 +43,11 @@ struct Args {
     /// Repetitions per block size (the best is kept).
     #[arg(long, default_value_t = 10, value_parser = cli::at_least_one)]
     reps: usize,
+    /// Untimed passes of the same block before each timed one, so that each block is timed as
+    /// a decoding loop repeating it runs (a 2-core Intel Xeon VM streamed native weights 30%
+    /// slower for a few passes after a 64-row pass: one row 4.8 ms, 3.8 ms after 4 like it).
+    #[arg(long, default_value_t = 4)]
+    warm: usize,
     /// Time each step of the decoder layers in the best pass of each block (flex).
     #[arg(long)]
     steps: bool,
@@ -84,6 +89,10 @@ fn main() -> Result<()> {
         for _ in 0..args.reps {
             for (&block, best) in args.blocks.iter().zip(best.iter_mut()) {
                 let tokens: Vec<u32> = (0..block as u32).map(|i| 100 + i).collect();
+                for _ in 0..args.warm {
+                    cache.truncate(past);
+                    let _ = m.forward(&tokens, &mut cache)?.into_data();
+                }
                 cache.truncate(past);
                 let _ = steps::take();
                 let start = Instant::now();
@@ -160,7 +169,7 @@ fn main() -> Result<()> {
             "{}",
             serde_json::json!({
                 "device": args.device.name(), "cpu": roofline::cpu_name(),
-                "machine": machine, "blocks": rows,
+                "machine": machine, "warm_passes": args.warm, "blocks": rows,
             })
         );
     }
