@@ -8,8 +8,9 @@
 //! multiply-add peak (on the kernels' threads and instruction set; the best of a probe before and
 //! one after the blocks) and reports, per weight dtype and block size: the time of a full forward
 //! pass (best of `--reps`, taken round the block sizes, each after `--warm` untimed passes of
-//! the same block, after a chat prompt), its ratio to one token, the roofline time `max(bytes / bandwidth, flops / FMA peak + int8 ops / int8 peak)`
-//! (int8 ops: the natively quantized matrices' products) and efficiency = roofline / measured.
+//! the same block, after a chat prompt), its ratio to one token, the roofline time
+//! `max(bytes / bandwidth, flops / FMA peak + int8 ops / int8 peak)` (int8 ops: the natively
+//! quantized matrices' products) and efficiency = roofline / measured.
 //! With `--steps` (flex) it also splits the best pass of each block by step of the decoder
 //! layers (norms, products, RoPE, attention, gating, residuals, summed over the layers) and
 //! the rest outside them (embedding, final norm, LM head).

@@ -44,6 +44,7 @@ echo "{\"machine\": \"$(lscpu | sed -n 's/^Model name: *//p' | head -1)\", \"thr
 # that run dies (its AMX kernels raised SIGILL on a 2-core Intel Xeon VM: worker threads
 # without the tile permission), again with `--repack 0`; the JSON says which ran.
 for test in "-p 0 -n 128" "-p 512 -n 0"; do
+    ran=0
     for repack in 1 0; do
         # shellcheck disable=SC2086 # $test is two flags
         if out=$("$bench" -m "$model" -t "$threads" $test --repack "$repack" -o jsonl 2>/dev/null); then
@@ -56,9 +57,13 @@ for line in sys.stdin:
                       "repack": os.environ["REPACK"] == "1",
                       "tokens_per_second": round(r["avg_ts"], 1), "stddev": round(r["stddev_ts"], 1)}))
 ' <<<"$out"
+            ran=1
             break
         fi
     done
+    if [[ $ran == 0 ]]; then
+        echo "llama-bench $test failed with and without --repack" >&2
+    fi
 done
 EESD_THREADS=$threads cargo bench --bench ar_decode -q -- --dtypes native,f32,f16 \
     --max-new-tokens 128 --json
