@@ -25,15 +25,13 @@ macro_rules! simd_fn {
                 unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
                     imp($($arg),*)
                 }
-                if $crate::cpu::Isa::detect() == $crate::cpu::Isa::Avx512
-                    && std::arch::is_x86_feature_detected!("avx512bw")
-                    && std::arch::is_x86_feature_detected!("avx512vl")
-                    && std::arch::is_x86_feature_detected!("avx512dq")
-                {
-                    // SAFETY: the CPU has every feature the build enables.
+                let isa = $crate::cpu::Isa::detect();
+                if isa.avx512_bw_vl() && std::arch::is_x86_feature_detected!("avx512dq") {
+                    // SAFETY: the CPU has every feature the build enables (AVX-512 F, BW, VL
+                    // and DQ; AVX2 and FMA come with `Isa::Avx512`).
                     return unsafe { avx512($($arg),*) };
                 }
-                if $crate::cpu::Isa::detect() != $crate::cpu::Isa::Portable {
+                if isa != $crate::cpu::Isa::Portable {
                     // SAFETY: `detect` reports AVX2 and FMA only when the CPU has them.
                     return unsafe { avx2($($arg),*) };
                 }

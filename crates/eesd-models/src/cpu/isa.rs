@@ -55,6 +55,22 @@ impl Isa {
         }
     }
 
+    /// Whether this set is AVX-512 on this CPU together with its byte/word and vector-length
+    /// extensions (BW, VL), which every 512-bit build beyond F enables (the quantized kernel's,
+    /// the row operations'); each adds what else it needs.
+    pub(crate) fn avx512_bw_vl(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            self == Isa::Avx512 && self.supported() == self && has!("avx512bw") && has!("avx512vl")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = self;
+            false
+        }
+    }
+
     /// f32 lanes per register.
     pub fn lanes(self) -> usize {
         match self {

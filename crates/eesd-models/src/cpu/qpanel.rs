@@ -68,12 +68,7 @@ pub(crate) type WideTile = [[f32; 2 * ROWS]; WIDE_ACTS];
 pub(crate) fn wide(isa: super::Isa) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::is_x86_feature_detected as has;
-        isa == super::Isa::Avx512
-            && isa.supported() == isa
-            && has!("avx512bw")
-            && has!("avx512vl")
-            && has!("avx512vnni")
+        isa.avx512_bw_vl() && std::arch::is_x86_feature_detected!("avx512vnni")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
