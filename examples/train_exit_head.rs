@@ -58,6 +58,12 @@ struct Args {
     /// layer for a lookahead head reading layer L).
     #[arg(long)]
     init_layer: Option<usize>,
+    /// Decoder layers in the head's block (`layer` and `lookahead` heads). The layers after
+    /// the first start as copies of it whose output projections are zero, so they add nothing
+    /// until trained: a head from `--init-head` with fewer layers is deepened that way and
+    /// drafts exactly as before at step 0. Default: the initial head's depth (1 for new heads).
+    #[arg(long)]
+    head_layers: Option<usize>,
     /// Start from a trained head (checkpoint prefix, e.g. `assets/heads/smollm2-135m-instruct`)
     /// instead of a copy of a model layer: its weights and draft vocabulary, fresh optimizer
     /// moments and learning-rate schedule (fine-tuning, or more training for a head whose run
@@ -597,7 +603,7 @@ fn main() -> Result<()> {
             training: serde_json::json!({
                 "distill": config, "init_layer": args.init_head.is_none().then_some(init), "init_head": args.init_head.as_ref().map(|p| p.display().to_string()), "prompts": args.num_prompts, "sequences": held_out.len() + train.len(), "sampled_per_prompt": args.sampled, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
                 "held_out": held, "answer_tokens": args.answer_tokens, "tokens_per_step": args.tokens_per_step, "loss": format!("KL(teacher || student) over the draft vocabulary + {} x CE(greedy token), on {}", args.ce_weight, if config.answers_only { "answer positions" } else { "all positions" }),
-                "exit_layers_trained_together": layers, "generation_seconds": run.generation_seconds, "train_tokens_per_second": train_tokens_per_second, "total_seconds": seconds,
+                "exit_layers_trained_together": layers, "head_layers": head.weights().depth(), "generation_seconds": run.generation_seconds, "train_tokens_per_second": train_tokens_per_second, "total_seconds": seconds,
             }),
             metrics: serde_json::json!({ "before": before, "after": after, "history": history }),
         };
@@ -733,6 +739,12 @@ impl<'m> HeadRun<'m> {
                     LayerHead::from_model(m, args.head, exit_layer, init, subset)?
                 }
             };
+            let depth = head.weights().depth();
+            let wanted = args.head_layers.unwrap_or(depth);
+            if wanted < depth {
+                bail!("--head-layers {wanted}: the initial head already has {depth} layers");
+            }
+            let head = head.deepened(m, wanted - depth)?;
             let d = Distiller::new(m, head, config.clone())?;
             let before = d.evaluate_set(eval_set, EVAL_K)?;
             (d, before, Vec::new(), 0.0, 0.0)

@@ -91,6 +91,7 @@ fn shipped_head_drafts_from_quantized_blocks_like_its_dense_weights() {
         // The same head on its dense weights: a clone holds no quantized copies.
         let dense = LayerHeadWeights {
             layer: head.weights().layer.clone(),
+            deeper: head.weights().deeper.clone(),
             norm: head.weights().norm.clone(),
             fuse: None,
             kind: head.kind(),

@@ -281,6 +281,10 @@ impl KvCache {
         self.layers.get_mut(i)
     }
 
+    pub(crate) fn layers_mut(&mut self) -> &mut [LayerCache] {
+        &mut self.layers
+    }
+
     /// Positions cached by layer `i` (0 if it does not exist).
     pub fn len_of(&self, layer: usize) -> usize {
         self.layers.get(layer).map_or(0, LayerCache::len)

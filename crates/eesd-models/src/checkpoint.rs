@@ -16,7 +16,9 @@ use sha2::{Digest, Sha256};
 
 use crate::cpu::PackedCache;
 use crate::error::{ModelError, Result};
-use crate::{DecoderLayer, HeadKind, LayerHead, LayerHeadWeights, Llama, VocabSubset};
+use crate::{
+    DecoderLayer, HeadKind, LayerHead, LayerHeadWeights, Llama, MAX_HEAD_LAYERS, VocabSubset,
+};
 
 /// Version of the checkpoint layout.
 pub const FORMAT_VERSION: u32 = 1;
@@ -102,24 +104,35 @@ pub fn checkpoint_paths(prefix: &Path) -> (PathBuf, PathBuf) {
     )
 }
 
+/// The name prefix of a head's `i`-th decoder layer: `layer` for the first (the only one of
+/// a one-layer head, as every checkpoint before deeper heads has it), `layer1`, `layer2`, …
+/// for [`LayerHeadWeights::deeper`]'s.
+fn layer_prefix(i: usize) -> String {
+    match i {
+        0 => "layer".into(),
+        i => format!("layer{i}"),
+    }
+}
+
 /// The tensors a head of this kind saves (an adapter has no MLP, only a lookahead head has an
-/// input fusion).
-fn tensors_of(w: &LayerHeadWeights) -> Vec<(&'static str, Tensor<2>)> {
-    let l = &w.layer;
+/// input fusion; a deeper head's later layers are whole).
+fn tensors_of(w: &LayerHeadWeights) -> Vec<(String, Tensor<2>)> {
     let row = |t: Tensor<1>| t.unsqueeze_dim::<2>(0);
-    let mut tensors = vec![
-        ("layer.attn_norm", row(l.attn_norm.val())),
-        ("layer.wqkv", l.wqkv.val()),
-        ("layer.wo", l.wo.val()),
-        ("norm", row(w.norm.val())),
-    ];
-    if w.kind != HeadKind::Adapter {
-        tensors.push(("layer.mlp_norm", row(l.mlp_norm.val())));
-        tensors.push(("layer.w_gate_up", l.w_gate_up.val()));
-        tensors.push(("layer.w_down", l.w_down.val()));
+    let mut tensors = vec![("norm".to_string(), row(w.norm.val()))];
+    let layers = std::iter::once(&w.layer).chain(&w.deeper).enumerate();
+    for (i, l) in layers {
+        let name = |field: &str| format!("{}.{field}", layer_prefix(i));
+        tensors.push((name("attn_norm"), row(l.attn_norm.val())));
+        tensors.push((name("wqkv"), l.wqkv.val()));
+        tensors.push((name("wo"), l.wo.val()));
+        if i > 0 || w.kind != HeadKind::Adapter {
+            tensors.push((name("mlp_norm"), row(l.mlp_norm.val())));
+            tensors.push((name("w_gate_up"), l.w_gate_up.val()));
+            tensors.push((name("w_down"), l.w_down.val()));
+        }
     }
     if let Some(fuse) = &w.fuse {
-        tensors.push(("fuse", fuse.val()));
+        tensors.push(("fuse".to_string(), fuse.val()));
     }
     tensors
 }
@@ -152,7 +165,7 @@ pub fn save_layer_head(
         } else {
             values.iter().flat_map(|v| v.to_le_bytes()).collect()
         };
-        buffers.push((name.to_string(), shape, bytes));
+        buffers.push((name, shape, bytes));
     }
     let dtype = if f16 { Dtype::F16 } else { Dtype::F32 };
     let views = buffers
@@ -238,12 +251,24 @@ pub fn load_layer_head(
         reason,
     };
     let st = SafeTensors::deserialize(&bytes).map_err(|e| malformed(e.to_string()))?;
+    // A deeper head saves `layer1.*`, `layer2.*`, … after `layer.*`; the first name missing
+    // ends it.
+    let depth = (1..)
+        .take_while(|&i| st.tensor(&format!("{}.wqkv", layer_prefix(i))).is_ok())
+        .count()
+        + 1;
+    if depth > MAX_HEAD_LAYERS {
+        return Err(malformed(format!(
+            "a head of {depth} layers (at most {MAX_HEAD_LAYERS})"
+        )));
+    }
     // Any layer has the shapes of the head's (a lookahead head may read the last layer).
     let template = &model.layers()[0];
     let kind = kind?;
     let d = c.hidden_size;
-    let expected: BTreeMap<&str, Vec<usize>> = tensors_of(&LayerHeadWeights {
+    let expected: BTreeMap<String, Vec<usize>> = tensors_of(&LayerHeadWeights {
         layer: template.clone(),
+        deeper: vec![template.clone(); depth - 1],
         norm: Param::from_tensor(model.final_norm().clone()),
         fuse: (kind == HeadKind::Lookahead)
             .then(|| Param::from_tensor(Tensor::zeros([d, 2 * d], model.device()))),
@@ -285,24 +310,29 @@ pub fn load_layer_head(
         Ok(Tensor::from_data(TensorData::new(values, shape), device))
     };
     let flat = |t: Tensor<2>| t.reshape([-1]);
-    let mut layer = DecoderLayer {
-        attn_norm: Param::from_tensor(flat(read("layer.attn_norm")?)),
-        wqkv: Param::from_tensor(read("layer.wqkv")?),
-        wo: Param::from_tensor(read("layer.wo")?),
-        packed: PackedCache::default(),
-        ..template.clone()
+    let read_layer = |i: usize| -> Result<DecoderLayer> {
+        let name = |field: &str| format!("{}.{field}", layer_prefix(i));
+        let mut layer = DecoderLayer {
+            attn_norm: Param::from_tensor(flat(read(&name("attn_norm"))?)),
+            wqkv: Param::from_tensor(read(&name("wqkv"))?),
+            wo: Param::from_tensor(read(&name("wo"))?),
+            packed: PackedCache::default(),
+            ..template.clone()
+        };
+        if i > 0 || kind != HeadKind::Adapter {
+            layer.mlp_norm = Param::from_tensor(flat(read(&name("mlp_norm"))?));
+            layer.w_gate_up = Param::from_tensor(read(&name("w_gate_up"))?);
+            layer.w_down = Param::from_tensor(read(&name("w_down"))?);
+        }
+        Ok(layer)
     };
-    if kind != HeadKind::Adapter {
-        layer.mlp_norm = Param::from_tensor(flat(read("layer.mlp_norm")?));
-        layer.w_gate_up = Param::from_tensor(read("layer.w_gate_up")?);
-        layer.w_down = Param::from_tensor(read("layer.w_down")?);
-    }
     let fuse = match kind {
         HeadKind::Lookahead => Some(Param::from_tensor(read("fuse")?)),
         _ => None,
     };
     let weights = LayerHeadWeights {
-        layer,
+        layer: read_layer(0)?,
+        deeper: (1..depth).map(read_layer).collect::<Result<_>>()?,
         norm: Param::from_tensor(flat(read("norm")?)),
         fuse,
         kind,

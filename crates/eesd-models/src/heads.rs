@@ -2,7 +2,8 @@
 //!
 //! - [`NormHead`]: the model's own final norm + LM head (parameter-free, any layer).
 //! - [`LayerHead`]: one decoder layer of its own (initialised from a copy of a model layer),
-//!   a norm, and the model's LM head — the EESD early-exiting layer. Of kind
+//!   optionally more after it ([`LayerHead::deepened`]), a norm, and the model's LM head — the
+//!   EESD early-exiting layer. Of kind
 //!   [`HeadKind::Lookahead`] it also reads the embedding of the token that follows its input
 //!   position (EAGLE-style input) and drafts the token after that, for draft trees
 //!   ([`eesd_core::LookaheadHead`]).
@@ -18,7 +19,7 @@ use burn::module::{Module, Param};
 use burn::tensor::{DType, Tensor};
 use eesd_core::{DraftHead, DraftLogits, LookaheadDraft, LookaheadHead};
 
-use crate::cache::LayerCache;
+use crate::cache::{KvCache, LayerCache};
 use crate::config::LlamaConfig;
 use crate::cpu::{PackedCache, QuantFormat, QuantMatrix};
 use crate::error::{ModelError, Result};
@@ -195,6 +196,10 @@ impl DraftHead<Llama> for NormHead {
     }
 }
 
+/// The most decoder layers a [`LayerHead`] may have: a head deeper than this would cost as much
+/// to draft with as the model it drafts for, and a checkpoint claiming more is refused.
+pub const MAX_HEAD_LAYERS: usize = 8;
+
 /// What the block of a [`LayerHead`] contains.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -249,13 +254,16 @@ impl std::str::FromStr for HeadKind {
     }
 }
 
-/// The trainable part of a [`LayerHead`]: one decoder layer (or its attention half) and the
-/// output norm.
+/// The trainable part of a [`LayerHead`]: one decoder layer (or its attention half), any
+/// further layers after it, and the output norm.
 #[derive(Module, Debug)]
 pub struct LayerHeadWeights {
     /// The head's own decoder layer. An adapter uses only its attention half; its MLP fields
     /// then still point at the model layer it was copied from and are neither run nor saved.
     pub layer: DecoderLayer,
+    /// Whole decoder layers run after `layer` in a deeper head ([`LayerHeadWeights::deepen`]);
+    /// empty for the one-layer heads of EESD, Kangaroo and EAGLE.
+    pub deeper: Vec<DecoderLayer>,
     /// RMSNorm gain before the (shared, frozen) LM head.
     pub norm: Param<Tensor<1>>,
     /// A lookahead head's input fusion `[hidden, 2·hidden]` (applied to the normalised layer-N
@@ -267,15 +275,50 @@ pub struct LayerHeadWeights {
 }
 
 impl LayerHeadWeights {
-    /// The weight matrices this head's kind runs (an adapter's MLP is neither run nor saved).
+    /// The weight matrices the first layer runs for this head's kind (an adapter's MLP is
+    /// neither run nor saved), and the input fusion, which that layer applies.
     pub fn matrices(&self) -> Vec<&Param<Tensor<2>>> {
         let l = &self.layer;
         let mut matrices = match self.kind {
-            HeadKind::Layer | HeadKind::Lookahead => vec![&l.wqkv, &l.wo, &l.w_gate_up, &l.w_down],
+            HeadKind::Layer | HeadKind::Lookahead => whole_layer_matrices(l),
             HeadKind::Adapter => vec![&l.wqkv, &l.wo],
         };
         matrices.extend(self.fuse.as_ref());
         matrices
+    }
+
+    /// Decoder layers in the head's block: 1 + [`LayerHeadWeights::deeper`]'s.
+    pub fn depth(&self) -> usize {
+        1 + self.deeper.len()
+    }
+
+    /// The same head with `extra` more decoder layers after its last, each a copy of that
+    /// layer with its two output projections (`wo`, `w_down`) zeroed: a layer whose residual
+    /// branches add nothing, so the deeper head drafts exactly as before until training moves
+    /// them. An adapter head is refused (its block is attention-only by design).
+    pub fn deepen(mut self, extra: usize) -> Result<Self> {
+        if extra > 0 && self.kind == HeadKind::Adapter {
+            return Err(ModelError::InvalidArgument(
+                "an `adapter` head cannot be deepened (its block is attention-only)".into(),
+            ));
+        }
+        if self.depth().saturating_add(extra) > MAX_HEAD_LAYERS {
+            return Err(ModelError::InvalidArgument(format!(
+                "a head of {} layers deepened by {extra} (at most {MAX_HEAD_LAYERS} layers)",
+                self.depth()
+            )));
+        }
+        for _ in 0..extra {
+            let last = self.deeper.last().unwrap_or(&self.layer);
+            let zeroed = |p: &Param<Tensor<2>>| Param::from_tensor(p.val().zeros_like());
+            let layer = DecoderLayer {
+                wo: zeroed(&last.wo),
+                w_down: zeroed(&last.w_down),
+                ..trainable_copy(last)
+            };
+            self.deeper.push(layer);
+        }
+        Ok(self)
     }
 
     /// A lookahead head's layer input for `hidden: [t, hidden]` (layer-N states) and `next:
@@ -300,7 +343,7 @@ impl LayerHeadWeights {
         hidden: Tensor<2>,
         rope: &Rope,
         ctx: &AttentionContext,
-        cache: Option<&mut LayerCache>,
+        cache: Option<&mut KvCache>,
         config: &LlamaConfig,
     ) -> Result<Tensor<2>> {
         let h = self.block(hidden, rope, ctx, cache, config)?;
@@ -314,25 +357,64 @@ impl LayerHeadWeights {
         hidden: Tensor<2>,
         rope: &Rope,
         ctx: &AttentionContext,
-        cache: Option<&mut LayerCache>,
+        cache: Option<&mut KvCache>,
         config: &LlamaConfig,
     ) -> Result<Tensor<2>> {
         let limit = config.context_length;
-        match self.kind {
+        let mut caches: Vec<Option<&mut LayerCache>> = match cache {
+            Some(c) if c.num_layers() != self.depth() => {
+                return Err(ModelError::InvalidArgument(format!(
+                    "a head of {} layers with a cache of {}",
+                    self.depth(),
+                    c.num_layers()
+                )));
+            }
+            Some(c) => c.layers_mut().iter_mut().map(Some).collect(),
+            None => (0..self.depth()).map(|_| None).collect(),
+        };
+        let mut caches = caches.drain(..);
+        let first = caches.next().flatten();
+        let mut h = match self.kind {
             HeadKind::Layer | HeadKind::Lookahead => {
-                self.layer.forward(hidden, rope, ctx, cache, limit)
+                self.layer.forward(hidden, rope, ctx, first, limit)?
             }
             HeadKind::Adapter => self
                 .layer
-                .forward_attention_only(hidden, rope, ctx, cache, limit),
+                .forward_attention_only(hidden, rope, ctx, first, limit)?,
+        };
+        for (layer, cache) in self.deeper.iter().zip(caches) {
+            h = layer.forward(h, rope, ctx, cache, limit)?;
+        }
+        Ok(h)
+    }
+
+    /// Quantizes every matrix the head runs to Q8_0 blocks, each layer's into its own
+    /// [`DecoderLayer::native`] (the drafting copies of a native model's head).
+    fn quantize_q8_0(&mut self) -> Result<()> {
+        self.layer.native = quantized_q8_0(self.matrices())?;
+        for layer in &mut self.deeper {
+            layer.native = quantized_q8_0(whole_layer_matrices(layer))?;
+        }
+        Ok(())
+    }
+
+    /// Drops every quantized copy (dense weights only).
+    fn drop_quantized(&mut self) {
+        for layer in std::iter::once(&mut self.layer).chain(&mut self.deeper) {
+            layer.native = NativeWeights::default();
         }
     }
 }
 
-/// The matrices a head runs, quantized to Q8_0 blocks.
-fn quantized_q8_0(weights: &LayerHeadWeights) -> Result<NativeWeights> {
+/// The four weight matrices of a whole decoder layer.
+fn whole_layer_matrices(l: &DecoderLayer) -> Vec<&Param<Tensor<2>>> {
+    vec![&l.wqkv, &l.wo, &l.w_gate_up, &l.w_down]
+}
+
+/// `matrices`, quantized to Q8_0 blocks.
+fn quantized_q8_0(matrices: Vec<&Param<Tensor<2>>>) -> Result<NativeWeights> {
     let mut native = NativeWeights::default();
-    for w in weights.matrices() {
+    for w in matrices {
         native.insert(w, Arc::new(q8_0_matrix(w.val())?));
     }
     Ok(native)
@@ -418,6 +500,7 @@ impl LayerHead {
         });
         let weights = LayerHeadWeights {
             layer: trainable_copy(&model.layers()[init_from]),
+            deeper: Vec::new(),
             norm: Param::from_tensor(model.final_norm().clone()),
             fuse,
             kind,
@@ -435,8 +518,18 @@ impl LayerHead {
     pub fn from_weights(
         model: &Llama,
         n: usize,
-        mut weights: LayerHeadWeights,
+        weights: LayerHeadWeights,
         subset: Option<&VocabSubset>,
+    ) -> Result<Self> {
+        Self::from_weights_with(model, n, weights, Projection::new(model, subset)?)
+    }
+
+    /// [`LayerHead::from_weights`] with its projection made.
+    fn from_weights_with(
+        model: &Llama,
+        n: usize,
+        mut weights: LayerHeadWeights,
+        projection: Projection,
     ) -> Result<Self> {
         let d = model.config().hidden_size;
         match (weights.kind, weights.fuse.as_ref().map(|f| f.val().dims())) {
@@ -458,15 +551,24 @@ impl LayerHead {
                 model.num_layers()
             )));
         }
+        if weights.depth() > MAX_HEAD_LAYERS
+            || (weights.kind == HeadKind::Adapter && !weights.deeper.is_empty())
+        {
+            return Err(ModelError::InvalidArgument(format!(
+                "a `{}` head of {} layers (at most {MAX_HEAD_LAYERS}; an adapter has one)",
+                weights.kind.name(),
+                weights.depth()
+            )));
+        }
         let quantized_model = model.layers().iter().any(|l| l.native.bytes() > 0);
-        weights.layer.native = match quantized_model {
-            true => quantized_q8_0(&weights)?,
-            false => NativeWeights::default(),
-        };
+        match quantized_model {
+            true => weights.quantize_q8_0()?,
+            false => weights.drop_quantized(),
+        }
         Ok(LayerHead {
             weights,
             exit_layer: n,
-            projection: Projection::new(model, subset)?,
+            projection,
         })
     }
 
@@ -480,7 +582,7 @@ impl LayerHead {
             return Ok(self);
         }
         if self.weights.layer.native.bytes() == 0 {
-            self.weights.layer.native = quantized_q8_0(&self.weights)?;
+            self.weights.quantize_q8_0()?;
         }
         if self.projection.native.is_none() {
             self.projection.native = Some(Arc::new(q8_0_matrix(self.projection.weight.val())?));
@@ -496,8 +598,24 @@ impl LayerHead {
     /// Takes the trainable weights out (for training): the dense ones only, so that no
     /// quantized copy can stand in for weights that training then changes.
     pub fn into_weights(mut self) -> LayerHeadWeights {
-        self.weights.layer.native = NativeWeights::default();
+        self.weights.drop_quantized();
         self.weights
+    }
+
+    /// This head with `extra` more decoder layers ([`LayerHeadWeights::deepen`]: it drafts as
+    /// before until trained), for `model`, its exit layer and vocabulary kept.
+    pub fn deepened(self, model: &Llama, extra: usize) -> Result<Self> {
+        let LayerHead {
+            weights,
+            exit_layer,
+            projection,
+        } = self;
+        let mut deeper =
+            LayerHead::from_weights_with(model, exit_layer, weights.deepen(extra)?, projection)?;
+        if deeper.projection.native.is_some() {
+            deeper = deeper.with_q8_0_drafts()?;
+        }
+        Ok(deeper)
     }
 
     /// Whole layer or adapter.
@@ -516,10 +634,10 @@ impl LayerHead {
         &self,
         model: &Llama,
         hidden: Tensor<2>,
-        cache: Option<&mut LayerCache>,
+        cache: Option<&mut KvCache>,
     ) -> Result<Tensor<2>> {
         let c = model.config();
-        let (past, rows) = (cache.as_ref().map_or(0, |c| c.len()), hidden.dims()[0]);
+        let (past, rows) = (cache.as_ref().map_or(0, |c| c.len_of(0)), hidden.dims()[0]);
         if past + rows > c.context_length {
             return Err(ModelError::ContextOverflow {
                 needed: past + rows,
@@ -553,14 +671,14 @@ impl LayerHead {
 }
 
 impl LookaheadHead<Llama> for LayerHead {
-    type Cache = LayerCache;
+    type Cache = KvCache;
 
     fn feature_layer(&self) -> usize {
         self.exit_layer
     }
 
-    fn new_cache(&self, _: &Llama) -> LayerCache {
-        LayerCache::new()
+    fn new_cache(&self, _: &Llama) -> KvCache {
+        KvCache::new(self.weights.depth())
     }
 
     fn lookahead(
@@ -568,7 +686,7 @@ impl LookaheadHead<Llama> for LayerHead {
         model: &Llama,
         hidden: Tensor<2>,
         next: &[u32],
-        cache: &mut LayerCache,
+        cache: &mut KvCache,
     ) -> Result<LookaheadDraft> {
         if self.weights.kind != HeadKind::Lookahead {
             return Err(self.wrong_kind("from next tokens (a `lookahead` head does)"));
@@ -590,31 +708,31 @@ impl LookaheadHead<Llama> for LayerHead {
         })
     }
 
-    fn cached_len(&self, cache: &LayerCache) -> usize {
-        cache.len()
+    fn cached_len(&self, cache: &KvCache) -> usize {
+        cache.len_of(0)
     }
 
-    fn truncate(&self, cache: &mut LayerCache, len: usize) {
+    fn truncate(&self, cache: &mut KvCache, len: usize) {
         cache.truncate(len);
     }
 }
 
 impl DraftHead<Llama> for LayerHead {
-    type Cache = LayerCache;
+    type Cache = KvCache;
 
     fn exit_layer(&self) -> Option<usize> {
         Some(self.exit_layer)
     }
 
-    fn new_cache(&self, _: &Llama) -> LayerCache {
-        LayerCache::new()
+    fn new_cache(&self, _: &Llama) -> KvCache {
+        KvCache::new(self.weights.depth())
     }
 
     fn draft_logits(
         &self,
         model: &Llama,
         hidden: Tensor<2>,
-        cache: &mut LayerCache,
+        cache: &mut KvCache,
     ) -> Result<DraftLogits> {
         self.ensure_chain()?;
         Ok(self
@@ -622,16 +740,16 @@ impl DraftHead<Llama> for LayerHead {
             .logits(self.normed(model, self.state(model, hidden, Some(cache))?)))
     }
 
-    fn extend(&self, model: &Llama, hidden: Tensor<2>, cache: &mut LayerCache) -> Result<()> {
+    fn extend(&self, model: &Llama, hidden: Tensor<2>, cache: &mut KvCache) -> Result<()> {
         self.ensure_chain()?;
         self.state(model, hidden, Some(cache)).map(drop)
     }
 
-    fn cached_len(&self, cache: &LayerCache) -> usize {
-        cache.len()
+    fn cached_len(&self, cache: &KvCache) -> usize {
+        cache.len_of(0)
     }
 
-    fn truncate(&self, cache: &mut LayerCache, len: usize) {
+    fn truncate(&self, cache: &mut KvCache, len: usize) {
         cache.truncate(len);
     }
 }
@@ -651,7 +769,7 @@ pub enum AnyHeadCache {
     /// Of a [`NormHead`].
     Norm(usize),
     /// Of a [`LayerHead`].
-    Layer(Box<LayerCache>),
+    Layer(Box<KvCache>),
 }
 
 impl DraftHead<Llama> for AnyHead {
@@ -701,7 +819,7 @@ impl DraftHead<Llama> for AnyHead {
     fn cached_len(&self, cache: &AnyHeadCache) -> usize {
         match cache {
             AnyHeadCache::Norm(c) => *c,
-            AnyHeadCache::Layer(c) => c.len(),
+            AnyHeadCache::Layer(c) => c.len_of(0),
         }
     }
 

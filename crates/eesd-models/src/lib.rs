@@ -44,7 +44,8 @@ pub use drafter_state::{SavedDrafterState, read_drafter_state, write_drafter_sta
 pub use error::{ModelError, Result};
 pub use gguf::{GgufFile, GgufTensorInfo, GgufValue};
 pub use heads::{
-    AnyHead, AnyHeadCache, HeadKind, LayerHead, LayerHeadWeights, NormHead, VocabSubset,
+    AnyHead, AnyHeadCache, HeadKind, LayerHead, LayerHeadWeights, MAX_HEAD_LAYERS, NormHead,
+    VocabSubset,
 };
 pub use layer::{AttentionContext, DecoderLayer};
 pub use llama::{ForwardCost, Llama, LmHeadRows, WeightDType};

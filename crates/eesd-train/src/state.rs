@@ -31,6 +31,9 @@ pub struct TrainingState {
     pub exit_layer: usize,
     /// Whole layer or adapter.
     pub head_kind: HeadKind,
+    /// Decoder layers in the head's block (states saved before deeper heads existed: 1).
+    #[serde(default = "one_layer")]
+    pub head_layers: usize,
     /// Draft vocabulary subset, if reduced.
     pub vocab_subset: Option<Vec<u32>>,
     /// Width and depth of the model trained against (checked on resume).
@@ -44,6 +47,10 @@ pub struct TrainingState {
     /// Anything the caller wants back on resume (e.g. its evaluation history).
     #[serde(default)]
     pub extra: serde_json::Value,
+}
+
+fn one_layer() -> usize {
+    1
 }
 
 /// `PREFIX.state.json`.
@@ -125,6 +132,7 @@ impl<'m> Distiller<'m> {
             config: self.config.clone(),
             exit_layer: self.exit_layer,
             head_kind: self.weights.kind,
+            head_layers: self.weights.depth(),
             vocab_subset: self.subset.as_ref().map(|s| s.ids().to_vec()),
             hidden_size: c.hidden_size,
             num_layers: c.num_layers,
@@ -170,7 +178,8 @@ impl<'m> Distiller<'m> {
             // Any layer: the saved weights replace it (a lookahead head may read layer L).
             state.exit_layer.min(state.num_layers - 1),
             subset.as_ref(),
-        )?;
+        )?
+        .deepened(model, state.head_layers.saturating_sub(1))?;
         let mut distiller = Distiller::new(model, template, state.config.clone())?;
         let dir = prefix.parent().unwrap_or(Path::new(""));
         let head_path = dir.join(&state.head_file);

@@ -658,11 +658,15 @@ fn packing_keeps_order_and_the_token_budget() {
 #[test]
 fn a_resumed_run_continues_exactly() {
     for kind in [HeadKind::Layer, HeadKind::Adapter, HeadKind::Lookahead] {
-        a_resumed_run_continues_exactly_for(kind);
+        a_resumed_run_continues_exactly_for(kind, 0);
+    }
+    // Heads of two layers resume with both.
+    for kind in [HeadKind::Layer, HeadKind::Lookahead] {
+        a_resumed_run_continues_exactly_for(kind, 1);
     }
 }
 
-fn a_resumed_run_continues_exactly_for(kind: HeadKind) {
+fn a_resumed_run_continues_exactly_for(kind: HeadKind, extra_layers: usize) {
     let model = tiny(26);
     let data = self_generated(&model, 4, 10);
     let subset = VocabSubset::new((0..200).collect(), 259).unwrap();
@@ -674,6 +678,7 @@ fn a_resumed_run_continues_exactly_for(kind: HeadKind) {
     };
     let start = || {
         let head = LayerHead::from_model(&model, kind, 2, 2, Some(&subset)).unwrap();
+        let head = head.deepened(&model, extra_layers).unwrap();
         Distiller::new(&model, head, config.clone()).unwrap()
     };
     let step = |d: &mut Distiller, i: usize| d.train_step(&[&data[i % data.len()].tokens]);
@@ -713,8 +718,17 @@ fn a_resumed_run_continues_exactly_for(kind: HeadKind) {
         straight_losses[3..],
         "{kind:?}: a resumed run must see the same losses"
     );
-    let wqkv = |d: Distiller| values(d.into_head().unwrap().weights().layer.wqkv.val());
-    assert_eq!(wqkv(resumed), wqkv(straight), "{kind:?}: same weights");
+    let last_wo = |d: Distiller| {
+        let head = d.into_head().unwrap();
+        let w = head.weights();
+        assert_eq!(w.depth(), 1 + extra_layers);
+        values(w.deeper.last().unwrap_or(&w.layer).wo.val())
+    };
+    assert_eq!(
+        last_wo(resumed),
+        last_wo(straight),
+        "{kind:?}: same weights"
+    );
 
     // Another model shape, a broken state file, no state at all: typed errors.
     let other = tiny_with(
@@ -737,6 +751,42 @@ fn a_resumed_run_continues_exactly_for(kind: HeadKind) {
         Distiller::resume(&model, &dir.path().join("none")),
         Err(TrainError::Io { .. })
     ));
+}
+
+/// A head deepened by a layer whose output projections start at zero begins where the
+/// one-layer head is (same loss) and then trains that layer, its zeroed projections included.
+#[test]
+fn a_deepened_head_starts_where_it_was_and_trains_its_new_layer() {
+    let model = tiny(27);
+    let data = self_generated(&model, 3, 10);
+    let config = DistillConfig {
+        learning_rate: 2e-3,
+        warmup_steps: 1,
+        total_steps: 4,
+        ..Default::default()
+    };
+    for kind in [HeadKind::Layer, HeadKind::Lookahead] {
+        let head = || LayerHead::from_model(&model, kind, 2, 3, None).unwrap();
+        let mut one = Distiller::new(&model, head(), config.clone()).unwrap();
+        let deeper = head().deepened(&model, 1).unwrap();
+        let zero = values(deeper.weights().deeper[0].w_down.val());
+        assert!(zero.iter().all(|&v| v == 0.0));
+        let mut two = Distiller::new(&model, deeper, config.clone()).unwrap();
+        let (a, b) = (
+            one.train_step(&[&data[0].tokens]).unwrap(),
+            two.train_step(&[&data[0].tokens]).unwrap(),
+        );
+        assert_scalar_match(b, a, 1e-5, &format!("{kind:?}: first loss"));
+        for s in &data {
+            two.train_step(&[&s.tokens]).unwrap();
+        }
+        let trained = two.into_head().unwrap();
+        let second = &trained.weights().deeper[0];
+        for (name, w) in [("wo", &second.wo), ("w_down", &second.w_down)] {
+            let moved = values(w.val()).iter().any(|&v| v != 0.0);
+            assert!(moved, "{kind:?}: the new layer's {name} did not train");
+        }
+    }
 }
 
 /// With native weights a model's layers hold lazy, frozen stand-ins for their quantized
@@ -773,6 +823,7 @@ fn a_head_from_a_quantized_model_trains_all_its_weights() {
     // A head whose layer shares the model's frozen parameters is refused, not half-trained.
     let shared = eesd_models::LayerHeadWeights {
         layer: model.layers()[3].clone(),
+        deeper: Vec::new(),
         norm: burn::module::Param::from_tensor(model.final_norm().clone()),
         fuse: None,
         kind: HeadKind::Layer,
