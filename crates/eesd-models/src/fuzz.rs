@@ -168,8 +168,26 @@ pub fn head_checkpoint(data: &[u8]) {
             && let Ok((head, _)) = load_layer_head(&prefix, model, None)
         {
             let mut cache = model.new_cache();
-            let _ = eesd_core::DraftHead::exit_layer(&head);
             let _ = model.forward(&[1, 2], &mut cache);
+            // A loaded head drafts: every layer it claims runs, on states of its exit layer.
+            let n = eesd_core::DraftHead::exit_layer(&head).unwrap_or(1);
+            let mut states = model.new_cache();
+            let hidden = model
+                .embed(&[1, 2])
+                .and_then(|h| model.forward_layers(h, 0..n, &mut states));
+            if let Ok(hidden) = hidden {
+                let _ = match head.kind() {
+                    crate::HeadKind::Lookahead => {
+                        let mut c = eesd_core::LookaheadHead::new_cache(&head, model);
+                        eesd_core::LookaheadHead::lookahead(&head, model, hidden, &[2, 3], &mut c)
+                            .map(drop)
+                    }
+                    _ => {
+                        let mut c = eesd_core::DraftHead::new_cache(&head, model);
+                        eesd_core::DraftHead::draft_logits(&head, model, hidden, &mut c).map(drop)
+                    }
+                };
+            }
         }
     });
 }
@@ -463,13 +481,21 @@ pub fn seeds(target: &str, real_gguf: Option<&[u8]>) -> crate::Result<Vec<(Strin
             let dir = scratch_dir("seed-head").ok_or_else(|| {
                 crate::ModelError::InvalidArgument("no temporary directory for seeds".into())
             })?;
-            for kind in [
-                crate::HeadKind::Layer,
-                crate::HeadKind::Adapter,
-                crate::HeadKind::Lookahead,
+            // One-layer heads of each kind, and two-layer ones (`layer1.*` tensors).
+            for (kind, extra) in [
+                (crate::HeadKind::Layer, 0),
+                (crate::HeadKind::Adapter, 0),
+                (crate::HeadKind::Lookahead, 0),
+                (crate::HeadKind::Layer, 1),
+                (crate::HeadKind::Lookahead, 1),
             ] {
                 let subset = crate::VocabSubset::new((0..64).collect(), model.config().vocab_size)?;
-                let head = crate::LayerHead::from_model(&model, kind, 1, 1, Some(&subset))?;
+                let head = crate::LayerHead::from_model(&model, kind, 1, 1, Some(&subset))?
+                    .deepened(&model, extra)?;
+                let name = match extra {
+                    0 => kind.name().to_string(),
+                    _ => format!("{}-{}-layers", kind.name(), 1 + extra),
+                };
                 let metadata = crate::HeadMetadata {
                     format_version: crate::checkpoint::FORMAT_VERSION,
                     head_kind: kind.name().into(),
@@ -481,14 +507,11 @@ pub fn seeds(target: &str, real_gguf: Option<&[u8]>) -> crate::Result<Vec<(Strin
                     training: serde_json::Value::Null,
                     metrics: serde_json::Value::Null,
                 };
-                let prefix = dir.join(kind.name());
+                let prefix = dir.join(&name);
                 crate::save_layer_head(&prefix, &head, &metadata, kind == crate::HeadKind::Layer)?;
                 let (st, json) = crate::checkpoint::checkpoint_paths(&prefix);
                 let read = |p: &Path| std::fs::read(p).map_err(|e| crate::ModelError::io(p, e));
-                out.push((
-                    kind.name().into(),
-                    join_parts(&[&read(&json)?, &read(&st)?]),
-                ));
+                out.push((name, join_parts(&[&read(&json)?, &read(&st)?])));
             }
         }
         "drafter_state" => {

@@ -192,31 +192,51 @@ fn checkpoints_keep_every_layer_and_refuse_bad_ones() {
         let (a, b) = (drafts(&model, &head, n), drafts(&model, &loaded, n));
         assert_rows_match(&a, &b, &format!("{kind:?} reloaded"));
     }
-    // A second layer whose matrix has the wrong shape is refused, not half-loaded.
     let prefix = dir.path().join("Layer");
     let (st, _) = eesd_models::checkpoint::checkpoint_paths(&prefix);
-    let bytes = std::fs::read(&st).unwrap();
-    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
-        .tensors()
-        .into_iter()
-        .map(|(name, v)| (name, v.shape().to_vec(), v.data().to_vec()))
-        .collect();
-    let wo = owned.iter_mut().find(|(n, _, _)| n == "layer1.wo").unwrap();
+    let saved = tensors_of(&std::fs::read(&st).unwrap());
+    // More layers than a head may have (`layer1.*` copied up to `layer8.*`) are refused.
+    let mut deep = saved.clone();
+    for i in 2..=MAX_HEAD_LAYERS {
+        for (name, shape, bytes) in &saved {
+            if let Some(field) = name.strip_prefix("layer1.") {
+                deep.push((format!("layer{i}.{field}"), shape.clone(), bytes.clone()));
+            }
+        }
+    }
+    std::fs::write(&st, serialize(&deep)).unwrap();
+    assert!(matches!(
+        load_layer_head(&prefix, &model, None),
+        Err(ModelError::MalformedHead { .. })
+    ));
+    // A second layer whose matrix has the wrong shape is refused, not half-loaded.
+    let mut bad = saved;
+    let wo = bad.iter_mut().find(|(n, _, _)| n == "layer1.wo").unwrap();
     wo.1[0] -= 1;
     let row = 4 * wo.1[1];
     wo.2.truncate(wo.2.len() - row);
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = owned
-        .iter()
-        .map(|(n, s, b)| {
-            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b);
-            (n.clone(), v.unwrap())
-        })
-        .collect();
-    std::fs::write(&st, safetensors::serialize(views, None).unwrap()).unwrap();
+    std::fs::write(&st, serialize(&bad)).unwrap();
     assert!(read_metadata(&prefix).is_ok());
     assert!(matches!(
         load_layer_head(&prefix, &model, None),
         Err(ModelError::HeadMismatch(_))
     ));
+}
+
+/// A safetensors file's tensors as (name, shape, f32 bytes).
+fn tensors_of(bytes: &[u8]) -> Vec<(String, Vec<usize>, Vec<u8>)> {
+    let tensors = safetensors::SafeTensors::deserialize(bytes).unwrap();
+    tensors
+        .tensors()
+        .into_iter()
+        .map(|(name, v)| (name, v.shape().to_vec(), v.data().to_vec()))
+        .collect()
+}
+
+fn serialize(tensors: &[(String, Vec<usize>, Vec<u8>)]) -> Vec<u8> {
+    let views = tensors.iter().map(|(n, s, b)| {
+        let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b);
+        (n.clone(), v.unwrap())
+    });
+    safetensors::serialize(views.collect::<Vec<_>>(), None).unwrap()
 }
