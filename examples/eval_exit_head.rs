@@ -300,6 +300,10 @@ fn main() -> Result<()> {
                 .collect();
             serde_json::json!({
                 "head": c.name, "exit_layer": c.exit_layer, "categories": categories,
+                "head_layers": match &c.head {
+                    AnyHead::Layer(h) => h.weights().depth(),
+                    AnyHead::Norm(_) => 0,
+                },
                 "tokens_seen": c.meta.as_ref().and_then(|m| history(m).last().map(|p| p.0)),
             })
         })

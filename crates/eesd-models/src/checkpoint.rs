@@ -257,14 +257,15 @@ pub fn load_layer_head(
         .take_while(|&i| st.tensor(&format!("{}.wqkv", layer_prefix(i))).is_ok())
         .count()
         + 1;
-    if depth > MAX_HEAD_LAYERS {
+    let kind = kind?;
+    if depth > MAX_HEAD_LAYERS || (kind == HeadKind::Adapter && depth > 1) {
         return Err(malformed(format!(
-            "a head of {depth} layers (at most {MAX_HEAD_LAYERS})"
+            "a `{}` head of {depth} layers (at most {MAX_HEAD_LAYERS}; an adapter has one)",
+            kind.name()
         )));
     }
     // Any layer has the shapes of the head's (a lookahead head may read the last layer).
     let template = &model.layers()[0];
-    let kind = kind?;
     let d = c.hidden_size;
     let expected: BTreeMap<String, Vec<usize>> = tensors_of(&LayerHeadWeights {
         layer: template.clone(),

@@ -3,10 +3,9 @@
 //! - [`NormHead`]: the model's own final norm + LM head (parameter-free, any layer).
 //! - [`LayerHead`]: one decoder layer of its own (initialised from a copy of a model layer),
 //!   optionally more after it ([`LayerHead::deepened`]), a norm, and the model's LM head — the
-//!   EESD early-exiting layer. Of kind
-//!   [`HeadKind::Lookahead`] it also reads the embedding of the token that follows its input
-//!   position (EAGLE-style input) and drafts the token after that, for draft trees
-//!   ([`eesd_core::LookaheadHead`]).
+//!   EESD early-exiting layer. Of kind [`HeadKind::Lookahead`] it also reads the embedding of
+//!   the token that follows its input position (EAGLE-style input) and drafts the token after
+//!   that, for draft trees ([`eesd_core::LookaheadHead`]).
 //!
 //! Any head can project onto a [`VocabSubset`] instead of the whole vocabulary: on
 //! SmolLM2-135M the 49,152 × 576 LM head is 21% of all weights, so a full-vocabulary draft costs

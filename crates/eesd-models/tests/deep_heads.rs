@@ -195,6 +195,17 @@ fn checkpoints_keep_every_layer_and_refuse_bad_ones() {
     let prefix = dir.path().join("Layer");
     let (st, _) = eesd_models::checkpoint::checkpoint_paths(&prefix);
     let saved = tensors_of(&std::fs::read(&st).unwrap());
+    // An adapter (one attention half) with a second layer is refused.
+    let (_, json) = eesd_models::checkpoint::checkpoint_paths(&prefix);
+    let layer_meta = std::fs::read_to_string(&json).unwrap();
+    let adapter_meta = layer_meta.replace("\"head_kind\": \"layer\"", "\"head_kind\": \"adapter\"");
+    assert_ne!(adapter_meta, layer_meta);
+    std::fs::write(&json, adapter_meta).unwrap();
+    assert!(matches!(
+        load_layer_head(&prefix, &model, None),
+        Err(ModelError::MalformedHead { .. })
+    ));
+    std::fs::write(&json, layer_meta).unwrap();
     // More layers than a head may have (`layer1.*` copied up to `layer8.*`) are refused.
     let mut deep = saved.clone();
     for i in 2..=MAX_HEAD_LAYERS {
