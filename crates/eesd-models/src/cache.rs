@@ -281,6 +281,7 @@ impl KvCache {
         self.layers.get_mut(i)
     }
 
+    /// Every layer's cache, in order.
     pub(crate) fn layers_mut(&mut self) -> &mut [LayerCache] {
         &mut self.layers
     }

@@ -104,14 +104,19 @@ pub fn checkpoint_paths(prefix: &Path) -> (PathBuf, PathBuf) {
     )
 }
 
-/// The name prefix of a head's `i`-th decoder layer: `layer` for the first (the only one of
-/// a one-layer head, as every checkpoint before deeper heads has it), `layer1`, `layer2`, …
-/// for [`LayerHeadWeights::deeper`]'s.
-fn layer_prefix(i: usize) -> String {
+/// The name of `field` of a head's `i`-th decoder layer: `layer.FIELD` for the first (the only
+/// one of a one-layer head, as every checkpoint before deeper heads has it), `layer1.FIELD`,
+/// `layer2.FIELD`, … for [`LayerHeadWeights::deeper`]'s.
+fn tensor_name(i: usize, field: &str) -> String {
     match i {
-        0 => "layer".into(),
-        i => format!("layer{i}"),
+        0 => format!("layer.{field}"),
+        i => format!("layer{i}.{field}"),
     }
+}
+
+/// Whether a `kind` head's `i`-th layer has its MLP (all but an adapter's attention half).
+fn has_mlp(kind: HeadKind, i: usize) -> bool {
+    i > 0 || kind != HeadKind::Adapter
 }
 
 /// The tensors a head of this kind saves (an adapter has no MLP, only a lookahead head has an
@@ -121,11 +126,11 @@ fn tensors_of(w: &LayerHeadWeights) -> Vec<(String, Tensor<2>)> {
     let mut tensors = vec![("norm".to_string(), row(w.norm.val()))];
     let layers = std::iter::once(&w.layer).chain(&w.deeper).enumerate();
     for (i, l) in layers {
-        let name = |field: &str| format!("{}.{field}", layer_prefix(i));
+        let name = |field: &str| tensor_name(i, field);
         tensors.push((name("attn_norm"), row(l.attn_norm.val())));
         tensors.push((name("wqkv"), l.wqkv.val()));
         tensors.push((name("wo"), l.wo.val()));
-        if i > 0 || w.kind != HeadKind::Adapter {
+        if has_mlp(w.kind, i) {
             tensors.push((name("mlp_norm"), row(l.mlp_norm.val())));
             tensors.push((name("w_gate_up"), l.w_gate_up.val()));
             tensors.push((name("w_down"), l.w_down.val()));
@@ -254,7 +259,7 @@ pub fn load_layer_head(
     // A deeper head saves `layer1.*`, `layer2.*`, … after `layer.*`; the first name missing
     // ends it.
     let depth = (1..)
-        .take_while(|&i| st.tensor(&format!("{}.wqkv", layer_prefix(i))).is_ok())
+        .take_while(|&i| st.tensor(&tensor_name(i, "wqkv")).is_ok())
         .count()
         + 1;
     let kind = kind?;
@@ -312,7 +317,7 @@ pub fn load_layer_head(
     };
     let flat = |t: Tensor<2>| t.reshape([-1]);
     let read_layer = |i: usize| -> Result<DecoderLayer> {
-        let name = |field: &str| format!("{}.{field}", layer_prefix(i));
+        let name = |field: &str| tensor_name(i, field);
         let mut layer = DecoderLayer {
             attn_norm: Param::from_tensor(flat(read(&name("attn_norm"))?)),
             wqkv: Param::from_tensor(read(&name("wqkv"))?),
@@ -320,7 +325,7 @@ pub fn load_layer_head(
             packed: PackedCache::default(),
             ..template.clone()
         };
-        if i > 0 || kind != HeadKind::Adapter {
+        if has_mlp(kind, i) {
             layer.mlp_norm = Param::from_tensor(flat(read(&name("mlp_norm"))?));
             layer.w_gate_up = Param::from_tensor(read(&name("w_gate_up"))?);
             layer.w_down = Param::from_tensor(read(&name("w_down"))?);

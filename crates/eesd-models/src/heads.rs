@@ -18,7 +18,7 @@ use burn::module::{Module, Param};
 use burn::tensor::{DType, Tensor};
 use eesd_core::{DraftHead, DraftLogits, LookaheadDraft, LookaheadHead};
 
-use crate::cache::{KvCache, LayerCache};
+use crate::cache::KvCache;
 use crate::config::LlamaConfig;
 use crate::cpu::{PackedCache, QuantFormat, QuantMatrix};
 use crate::error::{ModelError, Result};
@@ -360,7 +360,7 @@ impl LayerHeadWeights {
         config: &LlamaConfig,
     ) -> Result<Tensor<2>> {
         let limit = config.context_length;
-        let mut caches: Vec<Option<&mut LayerCache>> = match cache {
+        let mut caches = match cache {
             Some(c) if c.num_layers() != self.depth() => {
                 return Err(ModelError::InvalidArgument(format!(
                     "a head of {} layers with a cache of {}",
@@ -368,11 +368,12 @@ impl LayerHeadWeights {
                     c.num_layers()
                 )));
             }
-            Some(c) => c.layers_mut().iter_mut().map(Some).collect(),
-            None => (0..self.depth()).map(|_| None).collect(),
+            Some(c) => Some(c.layers_mut().iter_mut()),
+            None => None,
         };
-        let mut caches = caches.drain(..);
-        let first = caches.next().flatten();
+        // Each layer's own cache, in order (none without a cache).
+        let mut next_cache = || caches.as_mut().and_then(Iterator::next);
+        let first = next_cache();
         let mut h = match self.kind {
             HeadKind::Layer | HeadKind::Lookahead => {
                 self.layer.forward(hidden, rope, ctx, first, limit)?
@@ -381,8 +382,8 @@ impl LayerHeadWeights {
                 .layer
                 .forward_attention_only(hidden, rope, ctx, first, limit)?,
         };
-        for (layer, cache) in self.deeper.iter().zip(caches) {
-            h = layer.forward(h, rope, ctx, cache, limit)?;
+        for layer in &self.deeper {
+            h = layer.forward(h, rope, ctx, next_cache(), limit)?;
         }
         Ok(h)
     }
