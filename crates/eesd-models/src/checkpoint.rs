@@ -263,7 +263,7 @@ pub fn load_layer_head(
         .count()
         + 1;
     let kind = kind?;
-    if depth > MAX_HEAD_LAYERS || (kind == HeadKind::Adapter && depth > 1) {
+    if !kind.allows_depth(depth) {
         return Err(malformed(format!(
             "a `{}` head of {depth} layers (at most {MAX_HEAD_LAYERS}; an adapter has one)",
             kind.name()

@@ -227,6 +227,13 @@ impl HeadKind {
         }
     }
 
+    /// Whether a head of this kind may have `depth` decoder layers: at most
+    /// [`MAX_HEAD_LAYERS`], and an adapter only its one attention half. The one rule that
+    /// deepening, building a head from weights and loading a checkpoint each enforce.
+    pub(crate) fn allows_depth(self, depth: usize) -> bool {
+        depth <= MAX_HEAD_LAYERS && (self != HeadKind::Adapter || depth <= 1)
+    }
+
     /// The name used in checkpoints and on the command line (`layer`, `adapter`,
     /// `lookahead`).
     pub fn name(self) -> &'static str {
@@ -296,14 +303,11 @@ impl LayerHeadWeights {
     /// branches add nothing, so the deeper head drafts exactly as before until training moves
     /// them. An adapter head is refused (its block is attention-only by design).
     pub fn deepen(mut self, extra: usize) -> Result<Self> {
-        if extra > 0 && self.kind == HeadKind::Adapter {
-            return Err(ModelError::InvalidArgument(
-                "an `adapter` head cannot be deepened (its block is attention-only)".into(),
-            ));
-        }
-        if self.depth().saturating_add(extra) > MAX_HEAD_LAYERS {
+        if !self.kind.allows_depth(self.depth().saturating_add(extra)) {
             return Err(ModelError::InvalidArgument(format!(
-                "a head of {} layers deepened by {extra} (at most {MAX_HEAD_LAYERS} layers)",
+                "a `{}` head of {} layers deepened by {extra} (at most {MAX_HEAD_LAYERS} \
+                 layers; an adapter's block is its one attention half)",
+                self.kind.name(),
                 self.depth()
             )));
         }
@@ -551,9 +555,7 @@ impl LayerHead {
                 model.num_layers()
             )));
         }
-        if weights.depth() > MAX_HEAD_LAYERS
-            || (weights.kind == HeadKind::Adapter && !weights.deeper.is_empty())
-        {
+        if !weights.kind.allows_depth(weights.depth()) {
             return Err(ModelError::InvalidArgument(format!(
                 "a `{}` head of {} layers (at most {MAX_HEAD_LAYERS}; an adapter has one)",
                 weights.kind.name(),
