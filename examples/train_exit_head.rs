@@ -132,6 +132,14 @@ struct Args {
     /// the prompts' positions (by default both).
     #[arg(long)]
     answers_only: bool,
+    /// Tree levels a lookahead head learns to draft: level 2 and deeper read the head's own
+    /// state of the level before, as `opt@B+HEAD:LEVELS` drafting does (1 = the model's states
+    /// only).
+    #[arg(long, default_value_t = 1)]
+    levels: usize,
+    /// Weight in the loss of each level below the first (`--levels`).
+    #[arg(long, default_value_t = 0.5)]
+    deep_weight: f32,
     /// Prompts held out for evaluation (the first ones): their greedy answers are evaluated,
     /// none of their answers is trained on.
     #[arg(long, default_value_t = 40)]
@@ -419,6 +427,8 @@ fn main() -> Result<()> {
         learning_rate: args.lr,
         ce_weight: args.ce_weight,
         answers_only: args.answers_only,
+        levels: args.levels,
+        deep_weight: args.deep_weight,
         warmup_steps: args.steps / 20,
         total_steps: args.steps,
         ..Default::default()
@@ -602,7 +612,7 @@ fn main() -> Result<()> {
             vocab_subset: head.token_ids().map(<[u32]>::to_vec),
             training: serde_json::json!({
                 "distill": config, "init_layer": args.init_head.is_none().then_some(init), "init_head": args.init_head.as_ref().map(|p| p.display().to_string()), "prompts": args.num_prompts, "sequences": held_out.len() + train.len(), "sampled_per_prompt": args.sampled, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
-                "held_out": held, "answer_tokens": args.answer_tokens, "tokens_per_step": args.tokens_per_step, "loss": format!("KL(teacher || student) over the draft vocabulary + {} x CE(greedy token), on {}", args.ce_weight, if config.answers_only { "answer positions" } else { "all positions" }),
+                "held_out": held, "answer_tokens": args.answer_tokens, "tokens_per_step": args.tokens_per_step, "loss": format!("KL(teacher || student) over the draft vocabulary + {} x CE(greedy token), on {}{}", args.ce_weight, if config.answers_only { "answer positions" } else { "all positions" }, if config.levels > 1 { format!("; levels 2..={} on the head's own states, weight {} each", config.levels, config.deep_weight) } else { String::new() }),
                 "exit_layers_trained_together": layers, "head_layers": head.weights().depth(), "generation_seconds": run.generation_seconds, "train_tokens_per_second": train_tokens_per_second, "total_seconds": seconds,
             }),
             metrics: serde_json::json!({ "before": before, "after": after, "history": history }),

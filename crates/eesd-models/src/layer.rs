@@ -81,9 +81,6 @@ pub struct AttentionContext {
     /// The independent sequences of the block, in row order: one for an ordinary call, several
     /// for a packed training block (see [`AttentionContext::packed`]).
     pub segments: Vec<Segment>,
-    /// The tree layout of a single-sequence block (see [`AttentionContext::tree`]); `None`
-    /// for causal blocks.
-    pub tree: Option<Arc<TreeMask>>,
 }
 
 /// One sequence's rows of a block and its causal mask.
@@ -94,6 +91,9 @@ pub struct Segment {
     /// Causal mask for its grouped scores `[kv_heads, group·len, past + len]` (`true` =
     /// masked); `None` when a single new token may attend to everything.
     pub mask: Option<Tensor<3, Bool>>,
+    /// The rows' tree layout (positions by depth, attention to ancestors); `None` for causal
+    /// rows.
+    pub tree: Option<Arc<TreeMask>>,
 }
 
 impl AttentionContext {
@@ -104,39 +104,67 @@ impl AttentionContext {
         AttentionContext {
             cos,
             sin,
-            segments: vec![Segment { rows: 0..t, mask }],
-            tree: None,
+            segments: vec![Segment {
+                rows: 0..t,
+                mask,
+                tree: None,
+            }],
         }
     }
 
     /// The context of a tree block after `past` cached positions: row `r` sits at position
     /// `past + depth(r)` and attends to the cache and to its ancestors (itself included).
     pub fn tree(rope: &Rope, config: &LlamaConfig, past: usize, tree: Arc<TreeMask>) -> Self {
-        let t = tree.rows();
         let positions: Vec<usize> = tree.depths().iter().map(|d| past + d).collect();
         let (cos, sin) = rope.gather(&positions);
-        let (kv_heads, group) = head_groups(config);
-        let device = cos.device();
-        let mask = (t > 1).then(|| {
-            let mut masked = vec![false; t * (past + t)];
-            for r in 0..t {
-                let row = &mut masked[r * (past + t) + past..(r + 1) * (past + t)];
-                row.fill(true);
-                for &a in tree.ancestors(r) {
-                    row[a] = false;
-                }
-            }
-            Tensor::<2, Bool>::from_data(TensorData::new(masked, [t, past + t]), &device)
-                .repeat_dim(0, group)
-                .unsqueeze_dim::<3>(0)
-                .repeat_dim(0, kv_heads)
-        });
+        let mask = tree_mask(&tree, past, config, &cos.device());
         AttentionContext {
             cos,
             sin,
-            segments: vec![Segment { rows: 0..t, mask }],
-            tree: Some(tree),
+            segments: vec![Segment {
+                rows: 0..tree.rows(),
+                mask,
+                tree: Some(tree),
+            }],
         }
+    }
+
+    /// Several independent trees packed one after another, each from position 0 and without a
+    /// cache (a lookahead head trained on its own states: each sequence's rows form a tree).
+    pub fn packed_trees(
+        rope: &Rope,
+        config: &LlamaConfig,
+        trees: &[Arc<TreeMask>],
+    ) -> Result<Self> {
+        if trees.is_empty() {
+            return Err(ModelError::InvalidArgument(
+                "a packed block of trees needs at least one tree".into(),
+            ));
+        }
+        let positions: Vec<usize> = trees.iter().flat_map(|t| t.depths().to_vec()).collect();
+        if let Some(&deepest) = positions.iter().max()
+            && deepest >= rope.len()
+        {
+            return Err(ModelError::ContextOverflow {
+                needed: deepest + 1,
+                limit: rope.len(),
+            });
+        }
+        let (cos, sin) = rope.gather(&positions);
+        let mut start = 0;
+        let segments = trees
+            .iter()
+            .map(|tree| {
+                let rows = start..start + tree.rows();
+                start = rows.end;
+                Segment {
+                    rows,
+                    mask: tree_mask(tree, 0, config, &cos.device()),
+                    tree: Some(tree.clone()),
+                }
+            })
+            .collect();
+        Ok(AttentionContext { cos, sin, segments })
     }
 
     /// [`AttentionContext::new`] with the head counts of `config`.
@@ -172,6 +200,7 @@ impl AttentionContext {
             segments.push(Segment {
                 rows: start..start + len,
                 mask,
+                tree: None,
             });
             start += len;
         }
@@ -179,7 +208,6 @@ impl AttentionContext {
             cos: Tensor::cat(cos, 1),
             sin: Tensor::cat(sin, 1),
             segments,
-            tree: None,
         })
     }
 
@@ -195,6 +223,32 @@ fn head_groups(config: &LlamaConfig) -> (usize, usize) {
         config.num_kv_heads,
         config.num_heads / config.num_kv_heads.max(1),
     )
+}
+
+/// The grouped mask of a tree's rows after `past` cached positions (each row sees the cache
+/// and its ancestors); `None` for one row.
+fn tree_mask(
+    tree: &TreeMask,
+    past: usize,
+    config: &LlamaConfig,
+    device: &Device,
+) -> Option<Tensor<3, Bool>> {
+    let t = tree.rows();
+    let (kv_heads, group) = head_groups(config);
+    (t > 1).then(|| {
+        let mut masked = vec![false; t * (past + t)];
+        for r in 0..t {
+            let row = &mut masked[r * (past + t) + past..(r + 1) * (past + t)];
+            row.fill(true);
+            for &a in tree.ancestors(r) {
+                row[a] = false;
+            }
+        }
+        Tensor::<2, Bool>::from_data(TensorData::new(masked, [t, past + t]), device)
+            .repeat_dim(0, group)
+            .unsqueeze_dim::<3>(0)
+            .repeat_dim(0, kv_heads)
+    })
 }
 
 /// The grouped causal mask of `t` new rows after `past` positions; `None` for one row.
@@ -310,14 +364,14 @@ impl DecoderLayer {
                 ([seg], cache) => vec![SeqRows {
                     rows: seg.rows.clone(),
                     cache,
-                    tree: ctx.tree.as_deref(),
+                    tree: seg.tree.as_deref(),
                 }],
                 (segs, None) => segs
                     .iter()
                     .map(|seg| SeqRows {
                         rows: seg.rows.clone(),
                         cache: None,
-                        tree: None,
+                        tree: seg.tree.as_deref(),
                     })
                     .collect(),
                 // A packed block with a cache: burn's path reports the error.

@@ -14,9 +14,11 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use eesd_core::math::{exp, sum_f64};
 use eesd_models::cpu::PackedCache;
-use eesd_models::layer::{AttentionContext, linear};
+use eesd_models::layer::{AttentionContext, linear, rms_norm};
 use eesd_models::rope::Rope;
-use eesd_models::{HeadKind, LayerHead, LayerHeadWeights, Llama, LmHeadRows, VocabSubset};
+use eesd_models::{
+    HeadKind, LayerHead, LayerHeadWeights, Llama, LlamaConfig, LmHeadRows, VocabSubset,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
@@ -47,7 +49,31 @@ pub struct DistillConfig {
     /// block's prompt lengths must be known ([`Teacher::with_prompt_lengths`]).
     #[serde(default)]
     pub answers_only: bool,
+    /// Tree levels a lookahead head learns to draft (1: from the model's states only). Level
+    /// `l > 1` reads the head's own output state of level `l − 1` in place of the model's, as
+    /// drafting below the first level does ([`eesd_core::HeadDrafter::with_levels`]): each
+    /// position is run once more per level, attending to the model-state rows before it and
+    /// to its own chain of head states (EAGLE-3's training-time test, HASS).
+    #[serde(default = "one_level")]
+    pub levels: usize,
+    /// Weight in the loss of each level below the first (the first weighs 1).
+    #[serde(default = "half")]
+    pub deep_weight: f32,
 }
+
+/// [`DistillConfig::levels`] of checkpoints saved before it existed.
+fn one_level() -> usize {
+    1
+}
+
+/// [`DistillConfig::deep_weight`] of checkpoints saved before it existed.
+fn half() -> f32 {
+    0.5
+}
+
+/// The most levels [`DistillConfig::levels`] may ask for (each costs a pass of the head over
+/// a block as long as all the levels above it).
+pub const MAX_LEVELS: usize = 4;
 
 impl Default for DistillConfig {
     fn default() -> Self {
@@ -59,6 +85,8 @@ impl Default for DistillConfig {
             grad_clip_norm: 1.0,
             ce_weight: 0.0,
             answers_only: false,
+            levels: 1,
+            deep_weight: 0.5,
         }
     }
 }
@@ -66,6 +94,14 @@ impl Default for DistillConfig {
 impl DistillConfig {
     /// Checks ranges.
     pub fn validate(&self) -> Result<()> {
+        if !(1..=MAX_LEVELS).contains(&self.levels)
+            || !(self.deep_weight >= 0.0 && self.deep_weight.is_finite())
+        {
+            return Err(TrainError::InvalidConfig(format!(
+                "levels {} (1 to {MAX_LEVELS}) and deep_weight {} (a non-negative number)",
+                self.levels, self.deep_weight
+            )));
+        }
         if !(self.ce_weight >= 0.0 && self.ce_weight.is_finite()) {
             return Err(TrainError::InvalidConfig(format!(
                 "ce_weight {} must be a non-negative number",
@@ -104,6 +140,11 @@ pub struct EvalMetrics {
     pub expected_accepted: f64,
     /// The `k` used for `expected_accepted`.
     pub k: usize,
+    /// Top-1 agreement of a lookahead head's deeper levels (2, 3, …; those it trains,
+    /// [`DistillConfig::levels`]), each drafted from its own state of the level before, given
+    /// the true tokens up to there; empty for one level.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub deeper_top1: Vec<f64>,
     /// Positions evaluated (answer positions only).
     pub positions: usize,
 }
@@ -193,15 +234,29 @@ impl EvalSet {
 struct Target {
     /// Probabilities `[rows, vocabulary]` on the training device.
     probs: Tensor<2>,
-    /// `Σ p log p` over all rows and tokens (the negated entropy, summed).
-    neg_entropy: f64,
+    /// `Σ p log p` of each row (its negated entropy).
+    neg_entropy: Vec<f64>,
 }
 
-/// Each `width`-long row of `logits` turned into its softmax in place, and `Σ p log p` over
-/// all rows, on the host with the vectorisable `exp` (burn's CPU `exp` is a libm call per
+impl Target {
+    /// The target at `picks` (indices into its rows, ascending).
+    fn rows(&self, picks: &[usize]) -> Target {
+        let device = self.probs.device();
+        Target {
+            probs: self
+                .probs
+                .clone()
+                .select(0, index(picks.iter().copied(), &device)),
+            neg_entropy: picks.iter().map(|&i| self.neg_entropy[i]).collect(),
+        }
+    }
+}
+
+/// Each `width`-long row of `logits` turned into its softmax in place, and `Σ p log p` of each
+/// row, on the host with the vectorisable `exp` (burn's CPU `exp` is a libm call per
 /// element: with the teacher's log-softmax and its exponential that was ≈ 7% of a step).
-fn softmax_rows(mut logits: Vec<f32>, width: usize) -> (Vec<f32>, f64) {
-    let mut neg_entropy = 0.0;
+fn softmax_rows(mut logits: Vec<f32>, width: usize) -> (Vec<f32>, Vec<f64>) {
+    let mut neg_entropy = Vec::with_capacity(logits.len() / width.max(1));
     for row in logits.chunks_exact_mut(width.max(1)) {
         let max = eesd_models::cpu::rows::max(row);
         // Σ e^s and Σ e^s · s with s = l − max: Σ p log p = Σ e^s s / Σ e^s − ln Σ e^s. The
@@ -218,9 +273,157 @@ fn softmax_rows(mut logits: Vec<f32>, width: usize) -> (Vec<f32>, f64) {
         let sum = sum_f64(row);
         let norm = (1.0 / sum) as f32;
         row.iter_mut().for_each(|v| *v *= norm);
-        neg_entropy += weighted / sum - sum.ln();
+        neg_entropy.push(weighted / sum - sum.ln());
     }
     (logits, neg_entropy)
+}
+
+/// Where each of `rows` sits in `within` (both ascending; `rows` a subset of `within`).
+fn subset_positions(within: &[usize], rows: &[usize]) -> Result<Vec<usize>> {
+    rows.iter()
+        .map(|r| {
+            within.binary_search(r).map_err(|_| {
+                TrainError::InvalidConfig(format!("row {r} outside the first level's rows"))
+            })
+        })
+        .collect()
+}
+
+/// One level of a head's drafts on a training block: log-probabilities `[r, n]` and the
+/// teacher row each of the `r` rows learns.
+struct Level {
+    logp: Tensor<2>,
+    rows: Vec<usize>,
+}
+
+/// The passes of a lookahead head over a packed block when it learns to draft deeper
+/// ([`DistillConfig::levels`]). Pass 1 reads the model's states; in pass `j > 1` the row at
+/// position `k` reads the head's own output of pass `j − 1` at position `k − 1` (what drafting
+/// one level deeper feeds it) and attends, as in drafting, to the pass-1 rows before position
+/// `k − j + 2` and to its own chain: pass `i` at position `k − j + i` for `2 ≤ i ≤ j`. That is
+/// a tree per sequence (the pass-1 rows its trunk, each deeper row the child of the row of the
+/// pass before at the position before), so one packed block of trees runs every pass so far.
+struct OwnStatePasses {
+    /// The learnt rows of each sequence (its length minus one).
+    lengths: Vec<usize>,
+    /// Where each sequence's learnt rows start among all learnt rows.
+    starts: Vec<usize>,
+    /// Each pass's fused inputs, rows in (sequence, position) order.
+    inputs: Vec<Tensor<2>>,
+    /// Each pass's rows as indices into all learnt rows, in the same order.
+    rows: Vec<Vec<usize>>,
+}
+
+impl OwnStatePasses {
+    /// The first pass: `input`, one row per learnt row of sequences of `lengths` learnt rows.
+    fn new(lengths: Vec<usize>, input: Tensor<2>) -> Self {
+        let starts = lengths
+            .iter()
+            .scan(0, |at, &n| {
+                let start = *at;
+                *at += n;
+                Some(start)
+            })
+            .collect();
+        let total = lengths.iter().sum();
+        OwnStatePasses {
+            lengths,
+            starts,
+            inputs: vec![input],
+            rows: vec![(0..total).collect()],
+        }
+    }
+
+    /// The rows of the last pass, as indices into all learnt rows.
+    fn last_rows(&self) -> &[usize] {
+        self.rows.last().map_or(&[], Vec::as_slice)
+    }
+
+    /// The next pass from the last one's output `state` (before the head's norm; its rows in
+    /// [`OwnStatePasses::last_rows`] order) and every learnt row's next-token embedding `next`:
+    /// the block of all passes so far for the sequences the new pass reaches, its context,
+    /// and where the new rows sit in the block. `None` when no sequence is long enough.
+    fn deeper(
+        &mut self,
+        weights: &LayerHeadWeights,
+        state: Tensor<2>,
+        next: &Tensor<2>,
+        rope: &Rope,
+        config: &LlamaConfig,
+    ) -> Result<Option<(Tensor<2>, AttentionContext, Vec<usize>)>> {
+        let device = state.device();
+        let sequence_of = |g: usize| self.starts.partition_point(|&s| s <= g) - 1;
+        // Each row of the last pass feeds the row at the next position, if its sequence has one.
+        let (read, rows): (Vec<usize>, Vec<usize>) = self
+            .last_rows()
+            .iter()
+            .enumerate()
+            .filter(|&(_, &g)| {
+                let s = sequence_of(g);
+                g + 1 < self.starts[s] + self.lengths[s]
+            })
+            .map(|(i, &g)| (i, g + 1))
+            .unzip();
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        let input = weights.fused_input(
+            state.select(0, index(read.into_iter(), &device)),
+            next.clone()
+                .select(0, index(rows.iter().copied(), &next.device())),
+            config.rms_norm_eps,
+        )?;
+        self.inputs.push(input);
+        self.rows.push(rows);
+        // Pass j's rows of a sequence are its positions j.. (0-based j), contiguous in the pass.
+        let passes = self.rows.len();
+        let mut pass_base = Vec::with_capacity(passes);
+        let mut base = 0;
+        for rows in &self.rows {
+            pass_base.push(base);
+            base += rows.len();
+        }
+        let mut pass_start = vec![0usize; passes];
+        let (mut block_rows, mut trees, mut pick) = (Vec::new(), Vec::new(), Vec::new());
+        for &n in &self.lengths {
+            // Rows of this sequence in each pass (pass j has n − j of them).
+            let counts: Vec<usize> = (0..passes).map(|j| n.saturating_sub(j)).collect();
+            if counts[passes - 1] == 0 {
+                for (j, &c) in counts.iter().enumerate() {
+                    pass_start[j] += c;
+                }
+                continue;
+            }
+            let segment = block_rows.len();
+            let mut parents = Vec::with_capacity(counts.iter().sum());
+            let mut offset = 0;
+            let mut previous = 0;
+            for (j, &c) in counts.iter().enumerate() {
+                for i in 0..c {
+                    // Position k = j + i; its parent: position k − 1 of the pass before (of
+                    // this pass in the trunk), none for position 0.
+                    parents.push(match (j, i) {
+                        (0, 0) => None,
+                        (0, _) => Some(i - 1),
+                        _ => Some(previous + i),
+                    });
+                    block_rows.push(pass_base[j] + pass_start[j] + i);
+                }
+                if j == passes - 1 {
+                    pick.extend((0..c).map(|i| segment + offset + i));
+                }
+                previous = offset;
+                offset += c;
+                pass_start[j] += c;
+            }
+            let tree = eesd_core::TreeMask::try_new(parents).map_err(TrainError::InvalidConfig)?;
+            trees.push(std::sync::Arc::new(tree));
+        }
+        let all = Tensor::cat(self.inputs.clone(), 0);
+        let block = all.select(0, index(block_rows.into_iter(), &device));
+        let ctx = AttentionContext::packed_trees(rope, config, &trees)?;
+        Ok(Some((block, ctx, pick)))
+    }
 }
 
 /// The frozen model's outputs for a packed block of sequences, on the plain device: what every
@@ -520,6 +723,13 @@ impl<'m> Distiller<'m> {
             }
             None => (0..vocab).map(Some).collect(),
         };
+        if config.levels > 1 && head.kind() != HeadKind::Lookahead {
+            return Err(TrainError::InvalidConfig(format!(
+                "{} levels for a `{}` head: only lookahead heads draft from their own states",
+                config.levels,
+                head.kind().name()
+            )));
+        }
         let weights = head.into_weights().fork(&train_device).train();
         // A layer shared with a model holding native weights has lazy, frozen parameters:
         // training would silently update nothing but the norm gain.
@@ -586,11 +796,13 @@ impl<'m> Distiller<'m> {
     /// for each student row the teacher row whose distribution it learns: the same row for a
     /// chain head; for a lookahead head, which reads a position's state and the token after
     /// it, the next row (the last position of each sequence has no such row and is left out).
-    /// With `answers_only`, only the rows that predict answer tokens.
-    fn student(&self, teacher: &Teacher, answers_only: bool) -> Result<(Tensor<2>, Vec<usize>)> {
+    /// A lookahead head gives one such pair per level up to `levels` (see
+    /// [`DistillConfig::levels`]). With `answers_only`, only the rows that predict answer tokens.
+    fn students(&self, teacher: &Teacher, answers_only: bool, levels: usize) -> Result<Vec<Level>> {
         let c = self.model.config();
         let hidden = teacher.hidden(self.exit_layer)?;
-        let (input, lengths, rows) = match self.weights.kind {
+        let mut out = Vec::with_capacity(levels);
+        match self.weights.kind {
             HeadKind::Lookahead => {
                 let (mut learn, mut lengths) = (Vec::new(), Vec::new());
                 let mut start = 0;
@@ -602,43 +814,89 @@ impl<'m> Distiller<'m> {
                 // Each learnt row reads the state of the row before it.
                 let read = index(learn.iter().map(|&r| r - 1), &hidden.device());
                 let next: Vec<u32> = learn.iter().map(|&r| teacher.tokens[r]).collect();
+                let next = self.model.embed(&next)?.to_device(&self.train_device);
                 let input = self.weights.fused_input(
                     hidden.select(0, read).to_device(&self.train_device),
-                    self.model.embed(&next)?.to_device(&self.train_device),
+                    next.clone(),
                     c.rms_norm_eps,
                 )?;
-                (input, lengths, learn)
+                let ctx = AttentionContext::packed(&self.rope, c, &lengths)?;
+                let mut state = self
+                    .weights
+                    .block(input.clone(), &self.rope, &ctx, None, c)?;
+                out.push(self.level(teacher, state.clone(), learn.clone(), answers_only)?);
+                let mut passes = OwnStatePasses::new(lengths, input);
+                for _ in 1..levels {
+                    let deeper = passes.deeper(&self.weights, state, &next, &self.rope, c)?;
+                    let Some((block, ctx, pick)) = deeper else {
+                        break;
+                    };
+                    let h = self.weights.block(block, &self.rope, &ctx, None, c)?;
+                    state = h.select(0, index(pick.iter().copied(), &self.train_device));
+                    let rows = passes.last_rows().iter().map(|&k| learn[k]).collect();
+                    out.push(self.level(teacher, state.clone(), rows, answers_only)?);
+                }
             }
             HeadKind::Layer | HeadKind::Adapter => {
+                let ctx = AttentionContext::packed(&self.rope, c, &teacher.lengths)?;
+                let hidden = hidden.to_device(&self.train_device);
+                let state = self.weights.block(hidden, &self.rope, &ctx, None, c)?;
                 let rows = (0..teacher.positions()).collect();
-                (
-                    hidden.to_device(&self.train_device),
-                    teacher.lengths.clone(),
-                    rows,
-                )
+                out.push(self.level(teacher, state, rows, answers_only)?);
             }
-        };
-        let ctx = AttentionContext::packed(&self.rope, c, &lengths)?;
-        let h = self.weights.forward(input, &self.rope, &ctx, None, c)?;
-        // Every row runs the head's layer (the answers attend to their prompts); only those
-        // scored go through the projection.
+        }
+        Ok(out)
+    }
+
+    /// The head's log-probabilities over its draft vocabulary `[r, n]` at every level it trains
+    /// ([`DistillConfig::levels`]) on `teacher`'s block, each row with the block row whose
+    /// distribution it learns (prompt rows included): what a training step scores, detached
+    /// and on the model's device.
+    pub fn level_log_probs(&self, teacher: &Teacher) -> Result<Vec<(Tensor<2>, Vec<usize>)>> {
+        let device = self.model.device();
+        Ok(self
+            .students(teacher, false, self.config.levels)?
+            .into_iter()
+            .map(|l| (l.logp.detach().to_device(device), l.rows))
+            .collect())
+    }
+
+    /// One level's log-probabilities from the head's block outputs `state` (before its norm)
+    /// learning the teacher rows `rows`; with `answers_only`, at the answer rows alone. Every
+    /// row ran the head's layer (the answers attend to their prompts); only those scored go
+    /// through the projection.
+    fn level(
+        &self,
+        teacher: &Teacher,
+        state: Tensor<2>,
+        rows: Vec<usize>,
+        answers_only: bool,
+    ) -> Result<Level> {
         let keep = match answers_only {
             true => Some(teacher.answer_rows(&rows)?).filter(|keep| keep.len() < rows.len()),
             false => None,
         };
-        let (h, rows) = match keep {
+        let (state, rows) = match keep {
             Some(keep) => {
-                let picked = index(keep.iter().copied(), &h.device());
-                (h.select(0, picked), keep.iter().map(|&k| rows[k]).collect())
+                let picked = index(keep.iter().copied(), &state.device());
+                (
+                    state.select(0, picked),
+                    keep.iter().map(|&k| rows[k]).collect(),
+                )
             }
-            None => (h, rows),
+            None => (state, rows),
         };
+        let normed = rms_norm(
+            state,
+            self.weights.norm.val(),
+            self.model.config().rms_norm_eps,
+        );
         // Autodiff tensors: burn's matmul (the packed kernel is for inference on flex).
         let no_packing = PackedCache::default();
-        Ok((
-            log_softmax(linear(h, &self.projection, &no_packing), 1),
+        Ok(Level {
+            logp: log_softmax(linear(normed, &self.projection, &no_packing), 1),
             rows,
-        ))
+        })
     }
 
     /// The teacher's distribution over the draft vocabulary at `rows`, on the training device.
@@ -684,7 +942,7 @@ impl<'m> Distiller<'m> {
         (target.probs * student)
             .sum()
             .neg()
-            .add_scalar(target.neg_entropy)
+            .add_scalar(target.neg_entropy.iter().sum::<f64>())
             .div_scalar(t)
     }
 
@@ -698,13 +956,33 @@ impl<'m> Distiller<'m> {
     /// [`Distiller::train_step`] on a block the frozen model has already run over, e.g. one
     /// [`Teacher`] shared by heads at several exit layers (it must hold this head's layer).
     pub fn train_step_on(&mut self, teacher: &Teacher) -> Result<f64> {
-        let (student, rows) = self.student(teacher, self.config.answers_only)?;
-        let target = self.targets(teacher, &rows)?;
-        let mut loss = Self::kl(target, student.clone());
-        if self.config.ce_weight > 0.0 {
-            let greedy: Vec<u32> = rows.iter().map(|&r| teacher.argmax[r]).collect();
-            loss = loss + self.greedy_ce(student, &greedy) * self.config.ce_weight;
+        let levels = self.students(teacher, self.config.answers_only, self.config.levels)?;
+        // The teacher's distributions once, at the first level's rows: every deeper level
+        // learns a subset of them.
+        let first = levels.first().map(|l| l.rows.clone()).unwrap_or_default();
+        let targets = self.targets(teacher, &first)?;
+        let mut loss: Option<Tensor<1>> = None;
+        for (depth, Level { logp, rows }) in levels.into_iter().enumerate() {
+            let target = match depth {
+                0 => targets.rows(&(0..first.len()).collect::<Vec<_>>()),
+                _ => targets.rows(&subset_positions(&first, &rows)?),
+            };
+            let mut term = Self::kl(target, logp.clone());
+            if self.config.ce_weight > 0.0 {
+                let greedy: Vec<u32> = rows.iter().map(|&r| teacher.argmax[r]).collect();
+                term = term + self.greedy_ce(logp, &greedy) * self.config.ce_weight;
+            }
+            let weight = match depth {
+                0 => 1.0,
+                _ => self.config.deep_weight,
+            };
+            let term = term * weight;
+            loss = Some(match loss {
+                Some(loss) => loss + term,
+                None => term,
+            });
         }
+        let loss = loss.ok_or_else(|| TrainError::InvalidConfig("a block without rows".into()))?;
         let value = loss.clone().into_scalar::<f32>() as f64;
         let grads = GradientsParams::from_grads(loss.backward(), &self.weights);
         let lr = self.config.learning_rate_at(self.step);
@@ -725,36 +1003,33 @@ impl<'m> Distiller<'m> {
     /// this head's exit layer): what a training run evaluates every few hundred steps.
     pub fn evaluate_set(&self, set: &EvalSet, k: usize) -> Result<EvalMetrics> {
         let (mut kl, mut agree, mut accepted, mut positions) = (0.0, 0usize, 0.0, 0usize);
+        let deeper = self.config.levels.saturating_sub(1);
+        let (mut deeper_agree, mut deeper_rows) = (vec![0usize; deeper], vec![0usize; deeper]);
         for teacher in &set.teachers {
-            let (student, learnt) = self.student(teacher, true)?;
+            let mut levels = self
+                .students(teacher, true, self.config.levels)?
+                .into_iter();
+            let Some(Level { logp, rows: learnt }) = levels.next() else {
+                continue;
+            };
             let rows = learnt.len();
             if rows == 0 {
                 continue;
             }
-            let student = student.detach();
+            let student = logp.detach();
             let target = self.targets(teacher, &learnt)?;
             kl += Self::kl(target, student.clone()).into_scalar::<f32>() as f64 * rows as f64;
-            let picks = student
-                .argmax(1)
-                .into_data()
-                .convert::<i64>()
-                .try_into_vec::<i64>()
-                .map_err(|e| TrainError::TensorData(format!("{e:?}")))?;
-            let ok: Vec<bool> = picks
-                .iter()
-                .zip(learnt.iter().map(|&r| &teacher.argmax[r]))
-                .map(|(&p, &a)| {
-                    self.subset
-                        .as_ref()
-                        .map_or(p as u32, |s| s.ids()[p as usize])
-                        == a
-                })
-                .collect();
+            let ok = self.agreements(teacher, student, &learnt)?;
             agree += ok.iter().filter(|&&b| b).count();
             for s in 0..rows {
                 accepted += 1.0 + ok[s..].iter().take(k).take_while(|&&b| b).count() as f64;
             }
             positions += rows;
+            for (depth, level) in levels.enumerate() {
+                let ok = self.agreements(teacher, level.logp.detach(), &level.rows)?;
+                deeper_agree[depth] += ok.iter().filter(|&&b| b).count();
+                deeper_rows[depth] += ok.len();
+            }
         }
         let n = positions.max(1) as f64;
         Ok(EvalMetrics {
@@ -763,7 +1038,38 @@ impl<'m> Distiller<'m> {
             expected_accepted: accepted / n,
             k,
             positions,
+            deeper_top1: deeper_agree
+                .iter()
+                .zip(&deeper_rows)
+                .map(|(&a, &r)| a as f64 / r.max(1) as f64)
+                .collect(),
         })
+    }
+
+    /// Whether the student's argmax at each of its rows is the full model's greedy token at
+    /// the teacher row it learns.
+    fn agreements(
+        &self,
+        teacher: &Teacher,
+        student: Tensor<2>,
+        learnt: &[usize],
+    ) -> Result<Vec<bool>> {
+        let picks = student
+            .argmax(1)
+            .into_data()
+            .convert::<i64>()
+            .try_into_vec::<i64>()
+            .map_err(|e| TrainError::TensorData(format!("{e:?}")))?;
+        Ok(picks
+            .iter()
+            .zip(learnt.iter().map(|&r| &teacher.argmax[r]))
+            .map(|(&p, &a)| {
+                self.subset
+                    .as_ref()
+                    .map_or(p as u32, |s| s.ids()[p as usize])
+                    == a
+            })
+            .collect())
     }
 
     /// The trained head, back on the model's device.
@@ -789,6 +1095,7 @@ mod tests {
             .map(|i| ((i * 7919) % 101) as f32 * 0.37 - 20.0)
             .collect();
         let (probs, neg_entropy) = softmax_rows(logits.clone(), width);
+        let neg_entropy: f64 = neg_entropy.iter().sum();
         let mut want_entropy = 0.0;
         for (row, got) in logits.chunks(width).zip(probs.chunks(width)) {
             let max = row

@@ -24,7 +24,9 @@ pub mod state;
 pub mod teacher_cache;
 
 pub use data::{AnswerConfig, AnswerPrompt, generate_answers};
-pub use distill::{DistillConfig, Distiller, EvalMetrics, EvalSet, Sequence, Teacher, pack};
+pub use distill::{
+    DistillConfig, Distiller, EvalMetrics, EvalSet, MAX_LEVELS, Sequence, Teacher, pack,
+};
 pub use eesd_models::checkpoint::{
     self, HeadMetadata, file_sha256, load_layer_head, read_metadata, save_layer_head,
 };

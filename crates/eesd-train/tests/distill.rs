@@ -962,3 +962,108 @@ fn training_on_answers_only_scores_the_positions_evaluation_scores() {
         assert_eq!(a, b, "{kind:?}");
     }
 }
+
+/// Training a lookahead head on its own states scores, at level `d`, exactly the draft that
+/// drafting `d` levels deep computes (`HeadDrafter::with_levels`): the head's cache holds the
+/// model-state rows before the root, each deeper row reads the head's state of the level
+/// before and the next true token. Two sequences packed in one block, three levels.
+#[test]
+fn deeper_levels_learn_what_drafting_deeper_computes() {
+    let model = tiny(23);
+    let layers = model.num_layers();
+    let new_head =
+        || LayerHead::from_model(&model, HeadKind::Lookahead, layers, layers - 1, None).unwrap();
+    let config = DistillConfig {
+        levels: 3,
+        ..Default::default()
+    };
+    let distiller = Distiller::new(&model, new_head(), config).unwrap();
+    let head = new_head();
+    let sequences: [&[u32]; 2] = [
+        &[257, 65, 97, 48, 12, 40, 99, 3, 71],
+        &[257, 70, 80, 90, 100],
+    ];
+    let teacher = Teacher::new(&model, &sequences, &[layers]).unwrap();
+    let levels = distiller.level_log_probs(&teacher).unwrap();
+    assert_eq!(levels.len(), 3);
+    let mut checked = 0;
+    let mut start = 0;
+    for tokens in sequences {
+        let mut cache = model.new_cache();
+        let h = model
+            .forward_layers(model.embed(tokens).unwrap(), 0..layers, &mut cache)
+            .unwrap();
+        // Teacher row `r` of this sequence is learnt at every level `d` with `r ≥ d`.
+        for r in 1..tokens.len() {
+            for (d, (logp, rows)) in levels.iter().enumerate() {
+                let depth = d + 1;
+                let Some(at) = rows.iter().position(|&row| row == start + r) else {
+                    assert!(r < depth, "level {depth} misses row {r}");
+                    continue;
+                };
+                // Model-state rows before the root, then one pass per level below it.
+                let m = r + 1 - depth;
+                let mut hc = LookaheadHead::new_cache(&head, &model);
+                let mut draft = head
+                    .lookahead(&model, h.clone().narrow(0, 0, m), &tokens[1..=m], &mut hc)
+                    .unwrap();
+                for j in 1..depth {
+                    draft = head
+                        .lookahead(&model, draft.state, &[tokens[m + j]], &mut hc)
+                        .unwrap();
+                }
+                let want = values(burn::tensor::activation::log_softmax(draft.draft.logits, 1));
+                let got = values(logp.clone().narrow(0, at, 1));
+                assert!(
+                    max_diff(&got, &want) < 1e-3,
+                    "level {depth}, row {r}: off by {}",
+                    max_diff(&got, &want)
+                );
+                checked += 1;
+            }
+        }
+        start += tokens.len();
+    }
+    // Rows 1.. of each sequence at level 1, 2.. at level 2, 3.. at level 3.
+    assert_eq!(checked, (8 + 7 + 6) + (4 + 3 + 2));
+    // The head's own state is not the model's: level 2 drafts differ from level 1's.
+    let (first, second) = (&levels[0], &levels[1]);
+    let at = first.1.iter().position(|&r| r == second.1[0]).unwrap();
+    let (one, two) = (
+        values(first.0.clone().narrow(0, at, 1)),
+        values(second.0.clone().narrow(0, 0, 1)),
+    );
+    assert!(max_diff(&one, &two) > 1e-3);
+    // Training on two levels runs and reports the second level's held-out agreement.
+    let two_levels = DistillConfig {
+        levels: 2,
+        learning_rate: 1e-3,
+        ..Default::default()
+    };
+    let mut trainer = Distiller::new(&model, new_head(), two_levels).unwrap();
+    for _ in 0..3 {
+        assert!(trainer.train_step(&sequences).unwrap().is_finite());
+    }
+    let held = self_generated(&model, 2, 6);
+    let metrics = trainer.evaluate(&held, 4).unwrap();
+    assert_eq!(metrics.deeper_top1.len(), 1);
+    assert!((0.0..=1.0).contains(&metrics.deeper_top1[0]));
+    // Only lookahead heads read their own states, and the levels are bounded.
+    let chain = LayerHead::from_model(&model, HeadKind::Layer, 2, 1, None).unwrap();
+    let three = DistillConfig {
+        levels: 3,
+        ..Default::default()
+    };
+    assert!(matches!(
+        Distiller::new(&model, chain, three),
+        Err(TrainError::InvalidConfig(_))
+    ));
+    let too_many = DistillConfig {
+        levels: eesd_train::MAX_LEVELS + 1,
+        ..Default::default()
+    };
+    assert!(matches!(
+        Distiller::new(&model, new_head(), too_many),
+        Err(TrainError::InvalidConfig(_))
+    ));
+}
