@@ -94,9 +94,8 @@ impl Default for DistillConfig {
 impl DistillConfig {
     /// Checks ranges.
     pub fn validate(&self) -> Result<()> {
-        if !(1..=MAX_LEVELS).contains(&self.levels)
-            || !(self.deep_weight >= 0.0 && self.deep_weight.is_finite())
-        {
+        let weight_ok = self.deep_weight >= 0.0 && self.deep_weight.is_finite();
+        if !(weight_ok && (1..=MAX_LEVELS).contains(&self.levels)) {
             return Err(TrainError::InvalidConfig(format!(
                 "levels {} (1 to {MAX_LEVELS}) and deep_weight {} (a non-negative number)",
                 self.levels, self.deep_weight

@@ -558,6 +558,55 @@ fn a_packed_block_computes_each_sequence_as_if_alone() {
     );
 }
 
+/// A packed block of trees (`AttentionContext::packed_trees`, what a lookahead head's deeper
+/// levels train on) computes each tree as if alone, and each row as the causal sequence of its
+/// ancestors: bit for bit on flex between packed and alone.
+#[test]
+fn a_packed_block_of_trees_computes_each_tree_as_if_alone() {
+    let model = tiny(26);
+    // Tree rows: a trunk (each row the child of the one before), then rows hanging off it.
+    let trees: [(&[u32], Vec<Option<usize>>); 2] = [
+        (
+            &[257, 72, 101, 108, 111, 33, 44],
+            vec![None, Some(0), Some(1), Some(2), Some(0), Some(4), Some(3)],
+        ),
+        (&[257, 80, 81, 82], vec![None, Some(0), Some(1), Some(0)]),
+    ];
+    let masks: Vec<_> = trees
+        .iter()
+        .map(|(_, parents)| {
+            std::sync::Arc::new(eesd_core::TreeMask::try_new(parents.clone()).unwrap())
+        })
+        .collect();
+    let tokens: Vec<u32> = trees.iter().flat_map(|(t, _)| t.to_vec()).collect();
+    let ctx = AttentionContext::packed_trees(model.rope(), model.config(), &masks).unwrap();
+    let packed = model
+        .forward_packed(model.embed(&tokens).unwrap(), 0..4, &ctx)
+        .unwrap();
+    let mut row = 0;
+    for ((t, _), mask) in trees.iter().zip(&masks) {
+        let one = AttentionContext::tree(model.rope(), model.config(), 0, mask.clone());
+        let alone = model
+            .forward_packed(model.embed(t).unwrap(), 0..4, &one)
+            .unwrap();
+        let part = values(packed.clone().narrow(0, row, t.len()));
+        assert_rows_match(&values(alone), &part, "a tree packed and alone");
+        // Each row is the last of the causal sequence of its ancestors.
+        for r in 0..t.len() {
+            let path: Vec<u32> = mask.ancestors(r).iter().map(|&a| t[a]).collect();
+            let mut cache = model.new_cache();
+            let causal = model
+                .forward_layers(model.embed(&path).unwrap(), 0..4, &mut cache)
+                .unwrap();
+            let want = values(causal.narrow(0, path.len() - 1, 1));
+            let got = values(packed.clone().narrow(0, row + r, 1));
+            assert!(max_diff(&want, &got) < 1e-4, "tree row {r}");
+        }
+        row += t.len();
+    }
+    assert!(AttentionContext::packed_trees(model.rope(), model.config(), &[]).is_err());
+}
+
 #[test]
 fn a_packed_batch_loss_is_the_mean_over_its_sequences() {
     let model = tiny(25);
