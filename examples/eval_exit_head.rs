@@ -14,7 +14,9 @@
 //! column is the tokens per round of drafting the head's best path alone. All chain heads share
 //! one teacher pass per answer (`eesd::core::head_eval`), and the replay is exact: tests check
 //! it against the generator's own accepted counts, for chains and for a lookahead head's path. `--svg` plots each trained head's held-out agreement against training
-//! tokens seen, from the history in its checkpoint.
+//! tokens seen, from the history in its checkpoint. `--full-vocab` also scores each trained
+//! head projecting onto the whole vocabulary (`NAME:full`, same weights): what its draft
+//! vocabulary costs in agreement.
 
 #[path = "common/bench_model.rs"]
 mod bench_model;
@@ -63,6 +65,10 @@ struct Args {
     /// Length of the greedy answers the heads are scored on.
     #[arg(long, default_value_t = 128, value_parser = cli::at_least_one)]
     max_new_tokens: usize,
+    /// Also score each trained head projecting onto the whole vocabulary instead of its draft
+    /// vocabulary (named `NAME:full`; same weights, no retraining).
+    #[arg(long)]
+    full_vocab: bool,
     /// Print one JSON object instead of tables.
     #[arg(long)]
     json: bool,
@@ -213,22 +219,37 @@ fn main() -> Result<()> {
     }
     let questions = questions::load(&args.questions, args.per_category, &args.categories)?;
     let (lm, path, sha) = args.model.load()?;
-    let candidates: Vec<Candidate> = args
-        .heads
-        .iter()
-        .map(|h| parse_head(h, &lm, &sha))
-        .collect::<Result<_>>()?;
+    let mut candidates: Vec<Candidate> = Vec::new();
+    for spec in &args.heads {
+        let candidate = parse_head(spec, &lm, &sha)?;
+        let trained = candidate.meta.is_some();
+        candidates.push(candidate);
+        if args.full_vocab && trained {
+            let (head, meta) = load_layer_head(heads::chain(spec), &lm.model, Some(&sha))?;
+            candidates.push(Candidate {
+                name: format!("{spec}:full"),
+                head: AnyHead::Layer(Box::new(
+                    head.with_full_vocabulary(&lm.model)?.with_q8_0_drafts()?,
+                )),
+                exit_layer: meta.exit_layer,
+                meta: None,
+            });
+        }
+    }
     let heads: Vec<(&AnyHead, usize)> =
         candidates.iter().map(|c| (&c.head, c.exit_layer)).collect();
-    let trees: Vec<LayerHead> = args
-        .lookahead
-        .iter()
-        .map(|h| {
-            let (head, _) = load_lookahead_head(heads::lookahead(h), &lm.model, Some(&sha))
-                .with_context(|| format!("lookahead head `{h}`"))?;
-            Ok(head.with_q8_0_drafts()?)
-        })
-        .collect::<Result<_>>()?;
+    let (mut trees, mut tree_names): (Vec<LayerHead>, Vec<String>) = (Vec::new(), Vec::new());
+    for h in &args.lookahead {
+        let (head, _) = load_lookahead_head(heads::lookahead(h), &lm.model, Some(&sha))
+            .with_context(|| format!("lookahead head `{h}`"))?;
+        trees.push(head.with_q8_0_drafts()?);
+        tree_names.push(h.clone());
+        if args.full_vocab {
+            let (head, _) = load_lookahead_head(heads::lookahead(h), &lm.model, Some(&sha))?;
+            trees.push(head.with_full_vocabulary(&lm.model)?.with_q8_0_drafts()?);
+            tree_names.push(format!("{h}:full"));
+        }
+    }
     let mut paths: Vec<BTreeMap<String, PathAgreement>> = vec![BTreeMap::new(); trees.len()];
     let eos: Vec<u32> = lm.tokenizer.eos_token_id().into_iter().collect();
     let config = GenerationConfig {
@@ -277,8 +298,7 @@ fn main() -> Result<()> {
         per_head.values().for_each(|a| overall.extend(a));
         per_head.insert("overall".into(), overall);
     }
-    let tree_results: Vec<serde_json::Value> = args
-        .lookahead
+    let tree_results: Vec<serde_json::Value> = tree_names
         .iter()
         .zip(&paths)
         .map(|(name, per_cat)| {
@@ -370,7 +390,7 @@ fn main() -> Result<()> {
         }
     }
     println!("\n(chain k / tree w^d: tokens per verification round, drafts accepted + 1)");
-    for (name, per_cat) in args.lookahead.iter().zip(&paths) {
+    for (name, per_cat) in tree_names.iter().zip(&paths) {
         println!("\n## lookahead head {name}, {} levels\n", args.levels);
         let levels: String = (1..=args.levels)
             .map(|l| format!(" level {l} top-1 / top-4 |"))

@@ -604,6 +604,14 @@ impl LayerHead {
         self.weights
     }
 
+    /// This head projecting onto `model`'s whole vocabulary instead of its draft vocabulary
+    /// (the same weights; the LM head's rows are shared and frozen, so only the drafts' reach
+    /// changes): what a draft vocabulary costs in agreement, measured without retraining.
+    pub fn with_full_vocabulary(self, model: &Llama) -> Result<Self> {
+        let exit_layer = self.exit_layer;
+        Self::from_weights(model, exit_layer, self.into_weights(), None)
+    }
+
     /// This head with `extra` more decoder layers ([`LayerHeadWeights::deepen`]: it drafts as
     /// before until trained), for `model`, its exit layer and vocabulary kept.
     pub fn deepened(self, model: &Llama, extra: usize) -> Result<Self> {

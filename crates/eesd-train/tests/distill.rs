@@ -1116,3 +1116,38 @@ fn deeper_levels_learn_what_drafting_deeper_computes() {
         Err(TrainError::InvalidConfig(_))
     ));
 }
+
+/// A head with a draft vocabulary, widened to the whole vocabulary, keeps its weights: its
+/// logits at the draft vocabulary's tokens are the narrow head's, and the rest are there too.
+#[test]
+fn a_head_widened_to_the_whole_vocabulary_keeps_its_drafts() {
+    let model = tiny(27);
+    let vocab = model.config().vocab_size;
+    let subset = VocabSubset::new((0..vocab as u32).step_by(3).collect(), vocab).unwrap();
+    for kind in [HeadKind::Layer, HeadKind::Lookahead] {
+        let exit = match kind {
+            HeadKind::Lookahead => model.num_layers(),
+            _ => 2,
+        };
+        let narrow = LayerHead::from_model(&model, kind, exit, 3, Some(&subset)).unwrap();
+        let wide = LayerHead::from_model(&model, kind, exit, 3, Some(&subset))
+            .unwrap()
+            .with_full_vocabulary(&model)
+            .unwrap();
+        assert_eq!(narrow.token_ids().map(<[u32]>::len), Some(subset.len()));
+        assert!(wide.token_ids().is_none());
+        let tokens = [257, 72, 101, 108, 108];
+        let (some, all) = (
+            draft(&model, &narrow, &tokens),
+            draft(&model, &wide, &tokens),
+        );
+        // The last row's logits (a chain head drafts at every row).
+        assert_eq!(all.len() / vocab, some.len() / subset.len());
+        let (some, all) = (
+            &some[some.len() - subset.len()..],
+            &all[all.len() - vocab..],
+        );
+        let picked: Vec<f32> = subset.ids().iter().map(|&id| all[id as usize]).collect();
+        assert!(max_diff(some, &picked) < 1e-4, "{kind:?}");
+    }
+}
