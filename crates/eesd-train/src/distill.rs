@@ -230,6 +230,7 @@ impl EvalSet {
 }
 
 /// A teacher's distribution over the draft vocabulary at some rows, as a distillation target.
+#[derive(Clone)]
 struct Target {
     /// Probabilities `[rows, vocabulary]` on the training device.
     probs: Tensor<2>,
@@ -963,7 +964,7 @@ impl<'m> Distiller<'m> {
         let mut loss: Option<Tensor<1>> = None;
         for (depth, Level { logp, rows }) in levels.into_iter().enumerate() {
             let target = match depth {
-                0 => targets.rows(&(0..first.len()).collect::<Vec<_>>()),
+                0 => targets.clone(),
                 _ => targets.rows(&subset_positions(&first, &rows)?),
             };
             let mut term = Self::kl(target, logp.clone());
@@ -971,11 +972,11 @@ impl<'m> Distiller<'m> {
                 let greedy: Vec<u32> = rows.iter().map(|&r| teacher.argmax[r]).collect();
                 term = term + self.greedy_ce(logp, &greedy) * self.config.ce_weight;
             }
-            let weight = match depth {
-                0 => 1.0,
-                _ => self.config.deep_weight,
+            // The first level weighs 1, each deeper one `deep_weight`.
+            let term = match depth {
+                0 => term,
+                _ => term * self.config.deep_weight,
             };
-            let term = term * weight;
             loss = Some(match loss {
                 Some(loss) => loss + term,
                 None => term,
