@@ -51,7 +51,7 @@ pub struct DistillConfig {
     pub answers_only: bool,
     /// Tree levels a lookahead head learns to draft (1: from the model's states only). Level
     /// `l > 1` reads the head's own output state of level `l − 1` in place of the model's, as
-    /// drafting below the first level does ([`eesd_core::HeadDrafter::with_levels`]): each
+    /// drafting below the first level does ([`eesd_core::drafters::HeadDrafter::with_levels`]): each
     /// position is run once more per level, attending to the model-state rows before it and
     /// to its own chain of head states (EAGLE-3's training-time test, HASS).
     #[serde(default = "one_level")]
