@@ -222,19 +222,19 @@ fn main() -> Result<()> {
     let mut candidates: Vec<Candidate> = Vec::new();
     for spec in &args.heads {
         let candidate = parse_head(spec, &lm, &sha)?;
-        let trained = candidate.meta.is_some();
-        candidates.push(candidate);
-        if args.full_vocab && trained {
-            let (head, meta) = load_layer_head(heads::chain(spec), &lm.model, Some(&sha))?;
-            candidates.push(Candidate {
+        let full = match &candidate.head {
+            AnyHead::Layer(head) if args.full_vocab => Some(Candidate {
                 name: format!("{spec}:full"),
                 head: AnyHead::Layer(Box::new(
                     head.with_full_vocabulary(&lm.model)?.with_q8_0_drafts()?,
                 )),
-                exit_layer: meta.exit_layer,
+                exit_layer: candidate.exit_layer,
                 meta: None,
-            });
-        }
+            }),
+            _ => None,
+        };
+        candidates.push(candidate);
+        candidates.extend(full);
     }
     let heads: Vec<(&AnyHead, usize)> =
         candidates.iter().map(|c| (&c.head, c.exit_layer)).collect();
@@ -242,11 +242,14 @@ fn main() -> Result<()> {
     for h in &args.lookahead {
         let (head, _) = load_lookahead_head(heads::lookahead(h), &lm.model, Some(&sha))
             .with_context(|| format!("lookahead head `{h}`"))?;
+        let full = match args.full_vocab {
+            true => Some(head.with_full_vocabulary(&lm.model)?.with_q8_0_drafts()?),
+            false => None,
+        };
         trees.push(head.with_q8_0_drafts()?);
         tree_names.push(h.clone());
-        if args.full_vocab {
-            let (head, _) = load_lookahead_head(heads::lookahead(h), &lm.model, Some(&sha))?;
-            trees.push(head.with_full_vocabulary(&lm.model)?.with_q8_0_drafts()?);
+        if let Some(full) = full {
+            trees.push(full);
             tree_names.push(format!("{h}:full"));
         }
     }

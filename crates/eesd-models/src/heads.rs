@@ -604,12 +604,13 @@ impl LayerHead {
         self.weights
     }
 
-    /// This head projecting onto `model`'s whole vocabulary instead of its draft vocabulary
-    /// (the same weights; the LM head's rows are shared and frozen, so only the drafts' reach
+    /// A copy of this head projecting onto `model`'s whole vocabulary instead of its draft
+    /// vocabulary (the same dense weights; the LM head's rows are shared and frozen, so only the drafts' reach
     /// changes): what a draft vocabulary costs in agreement, measured without retraining.
-    pub fn with_full_vocabulary(self, model: &Llama) -> Result<Self> {
-        let exit_layer = self.exit_layer;
-        Self::from_weights(model, exit_layer, self.into_weights(), None)
+    pub fn with_full_vocabulary(&self, model: &Llama) -> Result<Self> {
+        let mut weights = self.weights.clone();
+        weights.drop_quantized();
+        Self::from_weights(model, self.exit_layer, weights, None)
     }
 
     /// This head with `extra` more decoder layers ([`LayerHeadWeights::deepen`]: it drafts as

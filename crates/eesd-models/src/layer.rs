@@ -141,7 +141,10 @@ impl AttentionContext {
                 "a packed block of trees needs at least one tree".into(),
             ));
         }
-        let positions: Vec<usize> = trees.iter().flat_map(|t| t.depths().to_vec()).collect();
+        let positions: Vec<usize> = trees
+            .iter()
+            .flat_map(|t| t.depths().iter().copied())
+            .collect();
         if let Some(&deepest) = positions.iter().max()
             && deepest >= rope.len()
         {

@@ -308,10 +308,9 @@ struct OwnStatePasses {
     lengths: Vec<usize>,
     /// Where each sequence's learnt rows start among all learnt rows.
     starts: Vec<usize>,
-    /// Each pass's fused inputs, rows in (sequence, position) order.
+    /// Each pass's fused inputs: pass `j` (0-based) holds positions `j..` of each sequence, in
+    /// (sequence, position) order.
     inputs: Vec<Tensor<2>>,
-    /// Each pass's rows as indices into all learnt rows, in the same order.
-    rows: Vec<Vec<usize>>,
 }
 
 impl OwnStatePasses {
@@ -325,18 +324,25 @@ impl OwnStatePasses {
                 Some(start)
             })
             .collect();
-        let total = lengths.iter().sum();
         OwnStatePasses {
             lengths,
             starts,
             inputs: vec![input],
-            rows: vec![(0..total).collect()],
         }
     }
 
+    /// The rows of pass `j` (0-based), as indices into all learnt rows.
+    fn pass_rows(&self, j: usize) -> Vec<usize> {
+        self.starts
+            .iter()
+            .zip(&self.lengths)
+            .flat_map(|(&start, &n)| start + j.min(n)..start + n)
+            .collect()
+    }
+
     /// The rows of the last pass, as indices into all learnt rows.
-    fn last_rows(&self) -> &[usize] {
-        self.rows.last().map_or(&[], Vec::as_slice)
+    fn last_rows(&self) -> Vec<usize> {
+        self.pass_rows(self.inputs.len() - 1)
     }
 
     /// The next pass from the last one's output `state` (before the head's norm; its rows in
@@ -351,70 +357,68 @@ impl OwnStatePasses {
         rope: &Rope,
         config: &LlamaConfig,
     ) -> Result<Option<(Tensor<2>, AttentionContext, Vec<usize>)>> {
-        let device = state.device();
-        let sequence_of = |g: usize| self.starts.partition_point(|&s| s <= g) - 1;
-        // Each row of the last pass feeds the row at the next position, if its sequence has one.
-        let (read, rows): (Vec<usize>, Vec<usize>) = self
-            .last_rows()
-            .iter()
-            .enumerate()
-            .filter(|&(_, &g)| {
-                let s = sequence_of(g);
-                g + 1 < self.starts[s] + self.lengths[s]
-            })
-            .map(|(i, &g)| (i, g + 1))
-            .unzip();
+        let passes = self.inputs.len() + 1;
+        let new = passes - 1;
+        let rows = self.pass_rows(new);
         if rows.is_empty() {
             return Ok(None);
         }
+        // Rows of this sequence in each pass: pass j holds positions j.., n − j of them.
+        let counts = |n: usize| (0..passes).map(move |j| n.saturating_sub(j));
+        // Each row of the last pass but a sequence's last feeds the new row one position on.
+        let mut read = Vec::with_capacity(rows.len());
+        let mut at = 0;
+        for &n in &self.lengths {
+            let last = n.saturating_sub(new - 1);
+            read.extend(at..at + last.saturating_sub(1));
+            at += last;
+        }
+        let device = state.device();
         let input = weights.fused_input(
             state.select(0, index(read.into_iter(), &device)),
             next.clone()
-                .select(0, index(rows.iter().copied(), &next.device())),
+                .select(0, index(rows.into_iter(), &next.device())),
             config.rms_norm_eps,
         )?;
         self.inputs.push(input);
-        self.rows.push(rows);
-        // Pass j's rows of a sequence are its positions j.. (0-based j), contiguous in the pass.
-        let passes = self.rows.len();
-        let mut pass_base = Vec::with_capacity(passes);
-        let mut base = 0;
-        for rows in &self.rows {
-            pass_base.push(base);
-            base += rows.len();
-        }
-        let mut pass_start = vec![0usize; passes];
+        // Where each pass starts in the concatenation of all passes, and each sequence's first
+        // row within each pass as the sequences go by.
+        let mut pass_start: Vec<usize> = (0..passes)
+            .scan(0, |at, j| {
+                let start = *at;
+                *at += self
+                    .lengths
+                    .iter()
+                    .map(|&n| n.saturating_sub(j))
+                    .sum::<usize>();
+                Some(start)
+            })
+            .collect();
         let (mut block_rows, mut trees, mut pick) = (Vec::new(), Vec::new(), Vec::new());
         for &n in &self.lengths {
-            // Rows of this sequence in each pass (pass j has n − j of them).
-            let counts: Vec<usize> = (0..passes).map(|j| n.saturating_sub(j)).collect();
-            if counts[passes - 1] == 0 {
-                for (j, &c) in counts.iter().enumerate() {
-                    pass_start[j] += c;
-                }
+            if n <= new {
+                // The new pass does not reach this sequence: skip its rows in every pass.
+                counts(n).zip(&mut pass_start).for_each(|(c, at)| *at += c);
                 continue;
             }
             let segment = block_rows.len();
-            let mut parents = Vec::with_capacity(counts.iter().sum());
-            let mut offset = 0;
-            let mut previous = 0;
-            for (j, &c) in counts.iter().enumerate() {
-                for i in 0..c {
-                    // Position k = j + i; its parent: position k − 1 of the pass before (of
-                    // this pass in the trunk), none for position 0.
-                    parents.push(match (j, i) {
-                        (0, 0) => None,
-                        (0, _) => Some(i - 1),
-                        _ => Some(previous + i),
-                    });
-                    block_rows.push(pass_base[j] + pass_start[j] + i);
-                }
-                if j == passes - 1 {
-                    pick.extend((0..c).map(|i| segment + offset + i));
+            let mut parents = Vec::new();
+            let (mut offset, mut previous) = (0, 0);
+            for ((j, c), at) in counts(n).enumerate().zip(&mut pass_start) {
+                // Position k = j + i; its parent: position k − 1 of the pass before (of this
+                // pass in the trunk), none for position 0.
+                parents.extend((0..c).map(|i| match (j, i) {
+                    (0, 0) => None,
+                    (0, _) => Some(i - 1),
+                    _ => Some(previous + i),
+                }));
+                block_rows.extend(*at..*at + c);
+                if j == new {
+                    pick.extend(segment + offset..segment + offset + c);
                 }
                 previous = offset;
                 offset += c;
-                pass_start[j] += c;
+                *at += c;
             }
             let tree = eesd_core::TreeMask::try_new(parents).map_err(TrainError::InvalidConfig)?;
             trees.push(std::sync::Arc::new(tree));
@@ -833,7 +837,7 @@ impl<'m> Distiller<'m> {
                     };
                     let h = self.weights.block(block, &self.rope, &ctx, None, c)?;
                     state = h.select(0, index(pick.iter().copied(), &self.train_device));
-                    let rows = passes.last_rows().iter().map(|&k| learn[k]).collect();
+                    let rows = passes.last_rows().into_iter().map(|k| learn[k]).collect();
                     out.push(self.level(teacher, state.clone(), rows, answers_only)?);
                 }
             }
