@@ -102,6 +102,7 @@ impl DraftHead<Llama> for BenchHead {
         Ok(DraftLogits {
             logits: Tensor::from_data(TensorData::new(values, [rows, n]), &device),
             token_ids: real.token_ids,
+            context_columns: real.context_columns,
         })
     }
 
@@ -112,6 +113,16 @@ impl DraftHead<Llama> for BenchHead {
         cache: &mut AnyHeadCache,
     ) -> Result<(), ModelError> {
         self.head.extend(model, hidden, cache)
+    }
+
+    fn observe_tokens(
+        &self,
+        model: &Llama,
+        cache: &mut AnyHeadCache,
+        first: usize,
+        tokens: &[u32],
+    ) -> Result<(), ModelError> {
+        self.head.observe_tokens(model, cache, first, tokens)
     }
 
     fn cached_len(&self, cache: &AnyHeadCache) -> usize {

@@ -295,6 +295,8 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
         // rounds, the last draft of a fully accepted round); fed to it in one block when it next
         // drafts, so an attention head's cache never has gaps.
         let mut pending_head: Vec<Tensor<2>> = Vec::new();
+        head.observe_tokens(m, &mut head_cache, 0, prompt)
+            .map_err(model_err)?;
         if p > 1 {
             let h = forward_tokens(m, &prompt[..p - 1], lower.clone(), &mut cache)?;
             pending_head.push(h.clone());
@@ -420,6 +422,8 @@ impl<'a, M: LayeredModel, H: DraftHead<M>> Generator<'a, M, H> {
 
             let mut block: Vec<u32> = drafts[..accepted].to_vec();
             block.push(next);
+            head.observe_tokens(m, &mut head_cache, committed, &block)
+                .map_err(model_err)?;
             if let Some(reason) = out.emit(&block) {
                 break reason;
             }

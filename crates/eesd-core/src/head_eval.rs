@@ -63,12 +63,22 @@ pub fn teacher_forced_ranks<M: LayeredModel, H: DraftHead<M>>(
                 .map_err(CoreError::model)?;
             done = exit;
         }
+        // The head sees the whole sequence at once; a token the sequence brings is counted
+        // only from the first row at or after its position ([`first_seen`]), as in decoding.
         let mut head_cache = head.new_cache(model);
+        head.observe_tokens(model, &mut head_cache, 0, tokens)
+            .map_err(CoreError::model)?;
         let out = head
             .draft_logits(model, hidden.clone(), &mut head_cache)
             .map_err(CoreError::model)?;
         let (logits, n) = rows_of(out.logits, &score)?;
-        draft[h] = Some((logits, n, out.token_ids));
+        let ids = out.token_ids;
+        let from = first_seen(
+            ids.as_deref().map(Vec::as_slice),
+            out.context_columns,
+            tokens,
+        );
+        draft[h] = Some((logits, n, ids, from));
     }
     let top = model
         .forward_layers(hidden, done..layers, &mut cache)
@@ -78,12 +88,20 @@ pub fn teacher_forced_ranks<M: LayeredModel, H: DraftHead<M>>(
     Ok(draft
         .into_iter()
         .flatten()
-        .map(|(logits, n, ids)| {
+        .map(|(logits, n, ids, from)| {
             let column = columns(ids.as_deref().map(Vec::as_slice), vocab, n);
             logits
                 .chunks(n)
                 .zip(&greedy)
-                .map(|(row, &g)| column[g].map(|c| rank_of(row, c)))
+                .zip(score.clone())
+                .map(|((row, &g), p)| {
+                    // Columns from positions after `p` are not in the draft vocabulary yet.
+                    let width = from.partition_point(|&f| f <= p);
+                    let row = &row[..(n.saturating_sub(from.len()) + width).min(n)];
+                    column[g]
+                        .filter(|&c| c < row.len())
+                        .map(|c| rank_of(row, c))
+                })
                 .collect()
         })
         .collect())
@@ -98,6 +116,19 @@ fn fits_context<M: LayeredModel>(model: &M, tokens: &[u32]) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// For each of the last `context` columns of a head's logits (the sequence's tokens its draft
+/// vocabulary lacks, in the order the sequence brings them), the position where `tokens` first
+/// holds it: the row from which a decoding head can draft it.
+fn first_seen(ids: Option<&[u32]>, context: usize, tokens: &[u32]) -> Vec<usize> {
+    let Some(ids) = ids else {
+        return Vec::new();
+    };
+    ids[ids.len().saturating_sub(context)..]
+        .iter()
+        .map(|id| tokens.iter().position(|t| t == id).unwrap_or(usize::MAX))
+        .collect()
 }
 
 /// The column of each vocabulary token in a head's `n` logits: its position in `ids` when the

@@ -72,6 +72,10 @@ pub struct DraftLogits {
     /// Token id of each logit column when the head projects onto a vocabulary subset; tokens
     /// outside it have draft probability zero.
     pub token_ids: Option<Arc<Vec<u32>>>,
+    /// How many of the last columns are tokens of the sequence that the head's own draft
+    /// vocabulary lacks ([`DraftHead::observe_tokens`]), in the order the sequence first
+    /// brought them; 0 for heads that do not add any.
+    pub context_columns: usize,
 }
 
 /// An exit head: turns the hidden state after layer N into draft logits.
@@ -100,6 +104,20 @@ pub trait DraftHead<M: LayeredModel> {
         cache: &mut Self::Cache,
     ) -> Result<(), M::Error> {
         self.draft_logits(model, hidden, cache).map(drop)
+    }
+    /// Tells the head the sequence's tokens at positions `first..` (the prompt, then each
+    /// accepted block), so that a head projecting onto a draft vocabulary can draft the ones it
+    /// lacks too, for as long as its cache holds the positions where they first appeared
+    /// ([`DraftLogits::context_columns`]). The default ignores them.
+    fn observe_tokens(
+        &self,
+        model: &M,
+        cache: &mut Self::Cache,
+        first: usize,
+        tokens: &[u32],
+    ) -> Result<(), M::Error> {
+        let _ = (model, cache, first, tokens);
+        Ok(())
     }
     /// Positions the head has cached.
     fn cached_len(&self, cache: &Self::Cache) -> usize;

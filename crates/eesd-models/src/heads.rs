@@ -9,8 +9,10 @@
 //!
 //! Any head can project onto a [`VocabSubset`] instead of the whole vocabulary: on
 //! SmolLM2-135M the 49,152 × 576 LM head is 21% of all weights, so a full-vocabulary draft costs
-//! a fifth of a decoding step per token. Verification always uses the full vocabulary, so a subset
-//! changes only the draft quality, never the output.
+//! a fifth of a decoding step per token. A [`LayerHead`] also projects onto the tokens of its
+//! sequence that the subset lacks ([`ContextTokens`], kept in its [`LayerHeadCache`]).
+//! Verification always uses the full vocabulary, so a subset changes only the draft quality,
+//! never the output.
 
 use std::sync::Arc;
 
@@ -20,114 +22,13 @@ use eesd_core::{DraftHead, DraftLogits, LookaheadDraft, LookaheadHead};
 
 use crate::cache::KvCache;
 use crate::config::LlamaConfig;
-use crate::cpu::{PackedCache, QuantFormat, QuantMatrix};
+pub use crate::draft_vocab::{ContextTokens, VocabSubset};
+use crate::draft_vocab::{Projection, q8_0_matrix};
 use crate::error::{ModelError, Result};
-use crate::layer::{AttentionContext, DecoderLayer, cast_to, linear, rms_norm, rms_normalize};
+use crate::layer::{AttentionContext, DecoderLayer, cast_to, rms_norm, rms_normalize};
 use crate::llama::Llama;
-use crate::native::{NativeWeights, lazy_param, quant_linear};
-use crate::quant::quantize_q8_0;
+use crate::native::NativeWeights;
 use crate::rope::Rope;
-
-/// A set of token ids the draft projects onto (e.g. the most frequent ones).
-#[derive(Debug, Clone, PartialEq)]
-pub struct VocabSubset {
-    ids: Arc<Vec<u32>>,
-}
-
-impl VocabSubset {
-    /// Validates ids against the vocabulary size: non-empty, in range, no duplicates.
-    pub fn new(ids: Vec<u32>, vocab_size: usize) -> Result<Self> {
-        if ids.is_empty() {
-            return Err(ModelError::InvalidArgument(
-                "empty vocabulary subset".into(),
-            ));
-        }
-        let mut seen = vec![false; vocab_size];
-        for &id in &ids {
-            let slot = seen
-                .get_mut(id as usize)
-                .ok_or(ModelError::TokenOutOfRange {
-                    id,
-                    vocab: vocab_size,
-                })?;
-            if std::mem::replace(slot, true) {
-                return Err(ModelError::InvalidArgument(format!(
-                    "token {id} appears twice in the vocabulary subset"
-                )));
-            }
-        }
-        Ok(VocabSubset { ids: Arc::new(ids) })
-    }
-
-    /// The `n` most frequent ids of `counts` (index = token id), always including `always`
-    /// (e.g. the end-of-sequence token).
-    pub fn most_frequent(counts: &[u64], n: usize, always: &[u32]) -> Result<Self> {
-        let mut order: Vec<u32> = (0..counts.len() as u32).collect();
-        order.sort_by(|&a, &b| counts[b as usize].cmp(&counts[a as usize]).then(a.cmp(&b)));
-        let mut ids: Vec<u32> = always.to_vec();
-        ids.extend(
-            order
-                .into_iter()
-                .filter(|id| !always.contains(id))
-                .take(n.saturating_sub(always.len())),
-        );
-        Self::new(ids, counts.len())
-    }
-
-    /// The ids, in projection order.
-    pub fn ids(&self) -> &[u32] {
-        &self.ids
-    }
-
-    /// Number of ids.
-    pub fn len(&self) -> usize {
-        self.ids.len()
-    }
-
-    /// Whether the subset is empty (never true for a constructed value).
-    pub fn is_empty(&self) -> bool {
-        self.ids.is_empty()
-    }
-}
-
-/// The output projection of a head: the model's LM head, whole or restricted to a subset.
-///
-/// With native weights it is the LM head's own quantized rows ([`QuantMatrix::select_rows`]):
-/// a draft then reads ≈ 1/4 of the bytes of an f32 copy, and its logits are exactly the
-/// model's logits for those tokens. The dense form is made only where the quantized kernel
-/// does not apply (another backend).
-#[derive(Debug, Clone)]
-struct Projection {
-    weight: Param<Tensor<2>>,
-    native: Option<Arc<QuantMatrix>>,
-    ids: Option<Arc<Vec<u32>>>,
-    packed: PackedCache,
-}
-
-impl Projection {
-    fn new(model: &Llama, subset: Option<&VocabSubset>) -> Result<Self> {
-        let ids = subset.map(|s| s.ids.clone());
-        let (native, weight) = match (subset, model.native_lm_head()) {
-            (Some(s), _) => model.lm_head_rows(&s.ids)?.into_parts(),
-            (None, Some(q)) => (Some(q.clone()), lazy_param(q.clone(), model.device())),
-            (None, None) => (None, Param::from_tensor(model.lm_head().clone())),
-        };
-        Ok(Projection {
-            weight,
-            native,
-            ids,
-            packed: PackedCache::default(),
-        })
-    }
-
-    fn logits(&self, normed: Tensor<2>) -> DraftLogits {
-        let quantized = self.native.as_ref().and_then(|q| quant_linear(&normed, q));
-        DraftLogits {
-            logits: quantized.unwrap_or_else(|| linear(normed, &self.weight.val(), &self.packed)),
-            token_ids: self.ids.clone(),
-        }
-    }
-}
 
 /// The parameter-free head: the model's final RMSNorm and LM head applied to the layer-N hidden
 /// state (the LayerSkip-style baseline). Works after any layer; needs no training.
@@ -172,6 +73,7 @@ impl DraftHead<Llama> for NormHead {
             None => DraftLogits {
                 logits: model.logits(hidden),
                 token_ids: None,
+                context_columns: 0,
             },
             Some(p) => p.logits(rms_norm(
                 hidden,
@@ -437,18 +339,6 @@ fn on_flex(t: &Tensor<2>) -> bool {
     }
 }
 
-/// A dense `[out, k]` matrix in Q8_0 blocks.
-fn q8_0_matrix(t: Tensor<2>) -> Result<QuantMatrix> {
-    let [out, k] = t.dims();
-    let values = t
-        .into_data()
-        .convert::<f32>()
-        .try_into_vec::<f32>()
-        .map_err(|e| ModelError::InvalidArgument(format!("head weights: {e:?}")))?;
-    QuantMatrix::new(QuantFormat::Q8_0, quantize_q8_0(&values), out, k)
-        .map_err(|e| ModelError::InvalidArgument(format!("head weights: {e}")))
-}
-
 /// A copy of `layer` with parameters of its own: dense f32 tensors with fresh ids, that
 /// autodiff tracks. A plain clone would share the model's parameters, and with native weights
 /// those are lazy, frozen stand-ins for quantized blocks: a head built from one trained only
@@ -586,9 +476,7 @@ impl LayerHead {
         if self.weights.layer.native.bytes() == 0 {
             self.weights.quantize_q8_0()?;
         }
-        if self.projection.native.is_none() {
-            self.projection.native = Some(Arc::new(q8_0_matrix(self.projection.weight.val())?));
-        }
+        self.projection.quantize_q8_0()?;
         Ok(self)
     }
 
@@ -681,23 +569,62 @@ impl LayerHead {
     }
 }
 
+/// The state of a [`LayerHead`] for one sequence: its attention cache and the sequence's
+/// tokens that its draft vocabulary lacks (which it drafts too, see [`crate::draft_vocab`]).
+#[derive(Debug, Clone)]
+pub struct LayerHeadCache {
+    kv: KvCache,
+    context: ContextTokens,
+}
+
+impl LayerHeadCache {
+    fn new(depth: usize) -> Self {
+        LayerHeadCache {
+            kv: KvCache::new(depth),
+            context: ContextTokens::default(),
+        }
+    }
+
+    /// Positions the head's attention holds.
+    pub fn len(&self) -> usize {
+        self.kv.len_of(0)
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The sequence's tokens the head drafts beside its draft vocabulary.
+    pub fn context_tokens(&self) -> &ContextTokens {
+        &self.context
+    }
+
+    fn truncate(&mut self, len: usize) {
+        self.kv.truncate(len);
+        self.context.truncate(len);
+    }
+}
+
 impl LookaheadHead<Llama> for LayerHead {
-    type Cache = KvCache;
+    type Cache = LayerHeadCache;
 
     fn feature_layer(&self) -> usize {
         self.exit_layer
     }
 
-    fn new_cache(&self, _: &Llama) -> KvCache {
-        KvCache::new(self.weights.depth())
+    fn new_cache(&self, _: &Llama) -> LayerHeadCache {
+        LayerHeadCache::new(self.weights.depth())
     }
 
+    /// The `next` tokens join the draft vocabulary (where it lacks them) at their rows'
+    /// positions, so a token the sequence brought can be drafted from the next row on.
     fn lookahead(
         &self,
         model: &Llama,
         hidden: Tensor<2>,
         next: &[u32],
-        cache: &mut KvCache,
+        cache: &mut LayerHeadCache,
     ) -> Result<LookaheadDraft> {
         if self.weights.kind != HeadKind::Lookahead {
             return Err(self.wrong_kind("from next tokens (a `lookahead` head does)"));
@@ -711,56 +638,74 @@ impl LookaheadHead<Llama> for LayerHead {
         }
         let eps = model.config().rms_norm_eps;
         let input = self.weights.fused_input(hidden, model.embed(next)?, eps)?;
-        let h = self.state(model, input, Some(cache))?;
+        let past = cache.len();
+        let h = self.state(model, input, Some(&mut cache.kv))?;
+        let vocab = model.config().vocab_size;
+        cache.context.record(&self.projection, vocab, past, next)?;
         let state = h.narrow(0, next.len() - 1, 1);
         Ok(LookaheadDraft {
-            draft: self.projection.logits(self.normed(model, state.clone())),
+            draft: self.projection.logits_with(
+                model,
+                self.normed(model, state.clone()),
+                &mut cache.context,
+            )?,
             state,
         })
     }
 
-    fn cached_len(&self, cache: &KvCache) -> usize {
-        cache.len_of(0)
+    fn cached_len(&self, cache: &LayerHeadCache) -> usize {
+        cache.len()
     }
 
-    fn truncate(&self, cache: &mut KvCache, len: usize) {
+    fn truncate(&self, cache: &mut LayerHeadCache, len: usize) {
         cache.truncate(len);
     }
 }
 
 impl DraftHead<Llama> for LayerHead {
-    type Cache = KvCache;
+    type Cache = LayerHeadCache;
 
     fn exit_layer(&self) -> Option<usize> {
         Some(self.exit_layer)
     }
 
-    fn new_cache(&self, _: &Llama) -> KvCache {
-        KvCache::new(self.weights.depth())
+    fn new_cache(&self, _: &Llama) -> LayerHeadCache {
+        LayerHeadCache::new(self.weights.depth())
     }
 
     fn draft_logits(
         &self,
         model: &Llama,
         hidden: Tensor<2>,
-        cache: &mut KvCache,
+        cache: &mut LayerHeadCache,
     ) -> Result<DraftLogits> {
         self.ensure_chain()?;
-        Ok(self
-            .projection
-            .logits(self.normed(model, self.state(model, hidden, Some(cache))?)))
+        let normed = self.normed(model, self.state(model, hidden, Some(&mut cache.kv))?);
+        self.projection
+            .logits_with(model, normed, &mut cache.context)
     }
 
-    fn extend(&self, model: &Llama, hidden: Tensor<2>, cache: &mut KvCache) -> Result<()> {
+    fn extend(&self, model: &Llama, hidden: Tensor<2>, cache: &mut LayerHeadCache) -> Result<()> {
         self.ensure_chain()?;
-        self.state(model, hidden, Some(cache)).map(drop)
+        self.state(model, hidden, Some(&mut cache.kv)).map(drop)
     }
 
-    fn cached_len(&self, cache: &KvCache) -> usize {
-        cache.len_of(0)
+    fn observe_tokens(
+        &self,
+        model: &Llama,
+        cache: &mut LayerHeadCache,
+        first: usize,
+        tokens: &[u32],
+    ) -> Result<()> {
+        let vocab = model.config().vocab_size;
+        cache.context.record(&self.projection, vocab, first, tokens)
     }
 
-    fn truncate(&self, cache: &mut KvCache, len: usize) {
+    fn cached_len(&self, cache: &LayerHeadCache) -> usize {
+        cache.len()
+    }
+
+    fn truncate(&self, cache: &mut LayerHeadCache, len: usize) {
         cache.truncate(len);
     }
 }
@@ -780,7 +725,7 @@ pub enum AnyHeadCache {
     /// Of a [`NormHead`].
     Norm(usize),
     /// Of a [`LayerHead`].
-    Layer(Box<KvCache>),
+    Layer(Box<LayerHeadCache>),
 }
 
 impl DraftHead<Llama> for AnyHead {
@@ -827,10 +772,28 @@ impl DraftHead<Llama> for AnyHead {
         }
     }
 
+    fn observe_tokens(
+        &self,
+        model: &Llama,
+        cache: &mut AnyHeadCache,
+        first: usize,
+        tokens: &[u32],
+    ) -> Result<()> {
+        match (self, cache) {
+            (AnyHead::Norm(_), AnyHeadCache::Norm(_)) => Ok(()),
+            (AnyHead::Layer(h), AnyHeadCache::Layer(c)) => {
+                h.observe_tokens(model, c, first, tokens)
+            }
+            _ => Err(ModelError::InvalidArgument(
+                "head state of another head kind".into(),
+            )),
+        }
+    }
+
     fn cached_len(&self, cache: &AnyHeadCache) -> usize {
         match cache {
             AnyHeadCache::Norm(c) => *c,
-            AnyHeadCache::Layer(c) => c.len_of(0),
+            AnyHeadCache::Layer(c) => c.len(),
         }
     }
 

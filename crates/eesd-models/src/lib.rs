@@ -15,6 +15,7 @@ pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod cpu;
+pub mod draft_vocab;
 pub mod drafter_state;
 pub mod error;
 pub mod fetch;
@@ -40,12 +41,13 @@ pub use checkpoint::{
     save_layer_head, write_atomically,
 };
 pub use config::{Llama3RopeScaling, LlamaConfig};
+pub use draft_vocab::{ContextTokens, VocabSubset};
 pub use drafter_state::{SavedDrafterState, read_drafter_state, write_drafter_state};
 pub use error::{ModelError, Result};
 pub use gguf::{GgufFile, GgufTensorInfo, GgufValue};
 pub use heads::{
-    AnyHead, AnyHeadCache, HeadKind, LayerHead, LayerHeadWeights, MAX_HEAD_LAYERS, NormHead,
-    VocabSubset,
+    AnyHead, AnyHeadCache, HeadKind, LayerHead, LayerHeadCache, LayerHeadWeights, MAX_HEAD_LAYERS,
+    NormHead,
 };
 pub use layer::{AttentionContext, DecoderLayer};
 pub use llama::{ForwardCost, Llama, LmHeadRows, WeightDType};

@@ -414,6 +414,7 @@ impl DraftHead<Llama> for BrokenHead {
         Ok(eesd_core::DraftLogits {
             logits,
             token_ids: Some(std::sync::Arc::new(vec![1, 2, 999_999])),
+            context_columns: 0,
         })
     }
     fn cached_len(&self, seen: &usize) -> usize {
@@ -470,6 +471,7 @@ impl DraftHead<Llama> for RecordingHead {
         Ok(eesd_core::DraftLogits {
             logits: model.logits(hidden.narrow(0, rows - 1, 1)),
             token_ids: None,
+            context_columns: 0,
         })
     }
     fn cached_len(&self, seen: &usize) -> usize {

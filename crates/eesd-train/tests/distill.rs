@@ -1140,13 +1140,18 @@ fn a_head_widened_to_the_whole_vocabulary_keeps_its_drafts() {
             draft(&model, &narrow, &tokens),
             draft(&model, &wide, &tokens),
         );
-        // The last row's logits (a chain head drafts at every row).
-        assert_eq!(all.len() / vocab, some.len() / subset.len());
-        let (some, all) = (
-            &some[some.len() - subset.len()..],
-            &all[all.len() - vocab..],
-        );
-        let picked: Vec<f32> = subset.ids().iter().map(|&id| all[id as usize]).collect();
+        // The last row's logits (a chain head drafts at every row): the subset's columns, then
+        // (a lookahead head, fed the tokens) those of the tokens the subset lacks: 101.
+        let rows = all.len() / vocab;
+        let width = some.len() / rows;
+        let extra: Vec<u32> = match kind {
+            HeadKind::Lookahead => vec![101],
+            _ => Vec::new(),
+        };
+        assert_eq!(width, subset.len() + extra.len(), "{kind:?}");
+        let (some, all) = (&some[some.len() - width..], &all[all.len() - vocab..]);
+        let ids = subset.ids().iter().chain(&extra);
+        let picked: Vec<f32> = ids.map(|&id| all[id as usize]).collect();
         assert!(max_diff(some, &picked) < 1e-4, "{kind:?}");
     }
 }

@@ -31,7 +31,7 @@ impl Golden {
     }
 }
 
-fn workspace_root() -> PathBuf {
+pub fn workspace_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
@@ -151,6 +151,7 @@ impl eesd_core::DraftHead<eesd_models::Llama> for RandomHead {
         Ok(eesd_core::DraftLogits {
             logits: hidden.matmul(self.weight.clone()),
             token_ids: Some(self.ids.clone()),
+            context_columns: 0,
         })
     }
     fn cached_len(&self, seen: &usize) -> usize {
