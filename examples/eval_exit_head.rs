@@ -14,9 +14,11 @@
 //! column is the tokens per round of drafting the head's best path alone. All chain heads share
 //! one teacher pass per answer (`eesd::core::head_eval`), and the replay is exact: tests check
 //! it against the generator's own accepted counts, for chains and for a lookahead head's path. `--svg` plots each trained head's held-out agreement against training
-//! tokens seen, from the history in its checkpoint. `--full-vocab` also scores each trained
-//! head projecting onto the whole vocabulary (`NAME:full`, same weights): what its draft
-//! vocabulary costs in agreement.
+//! tokens seen, from the history in its checkpoint. Heads draft as they do in decoding, their
+//! draft vocabulary widened by the tokens each answer's sequence has brought so far
+//! (`eesd::models::ContextTokens`). `--full-vocab` also scores each trained head projecting
+//! onto the whole vocabulary (`NAME:full`, same weights): what its draft vocabulary costs in
+//! agreement.
 
 #[path = "common/bench_model.rs"]
 mod bench_model;
