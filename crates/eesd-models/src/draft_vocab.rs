@@ -224,7 +224,8 @@ pub struct ContextTokens {
     seen: Vec<(u32, usize)>,
     known: HashSet<u32>,
     /// The rows of `seen`'s tokens and the projection's ids followed by them; `None` until
-    /// the next draft needs them after `seen` changed.
+    /// the next draft needs them after `seen` changed. Rebuilt whole (a copy of each row): in
+    /// decoding at most once a round, and only in rounds that brought a new token.
     rows: Option<(Projection, Arc<Vec<u32>>)>,
 }
 
