@@ -493,8 +493,9 @@ impl LayerHead {
     }
 
     /// A copy of this head projecting onto `model`'s whole vocabulary instead of its draft
-    /// vocabulary (the same dense weights; the LM head's rows are shared and frozen, so only the drafts' reach
-    /// changes): what a draft vocabulary costs in agreement, measured without retraining.
+    /// vocabulary (the same dense weights; the LM head's rows are shared and frozen, so only
+    /// the drafts' reach changes): what a draft vocabulary costs in agreement, measured without
+    /// retraining.
     pub fn with_full_vocabulary(&self, model: &Llama) -> Result<Self> {
         let mut weights = self.weights.clone();
         weights.drop_quantized();
