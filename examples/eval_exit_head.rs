@@ -18,7 +18,8 @@
 //! draft vocabulary widened by the tokens each answer's sequence has brought so far
 //! (`eesd::models::ContextTokens`). `--full-vocab` also scores each trained head projecting
 //! onto the whole vocabulary (`NAME:full`, same weights): what its draft vocabulary costs in
-//! agreement.
+//! agreement; `--subset-only` scores each trained head on its draft vocabulary alone
+//! (`NAME:subset`, without the sequence's tokens): what widening it gains.
 
 #[path = "common/bench_model.rs"]
 mod bench_model;
@@ -71,6 +72,10 @@ struct Args {
     /// vocabulary (named `NAME:full`; same weights, no retraining).
     #[arg(long)]
     full_vocab: bool,
+    /// Also score each trained head drafting from its draft vocabulary alone, without the
+    /// tokens each sequence brought (named `NAME:subset`; same weights).
+    #[arg(long)]
+    subset_only: bool,
     /// Print one JSON object instead of tables.
     #[arg(long)]
     json: bool,
@@ -109,6 +114,27 @@ fn parse_head(spec: &str, lm: &LoadedModel, sha: &str) -> Result<Candidate> {
         exit_layer: meta.exit_layer,
         meta: Some(meta),
     })
+}
+
+/// Another draft vocabulary for a trained head, on the same weights.
+#[derive(Clone, Copy)]
+enum Variant {
+    /// The whole vocabulary (`--full-vocab`).
+    FullVocabulary,
+    /// The draft vocabulary without the sequence's tokens (`--subset-only`).
+    SubsetOnly,
+}
+
+impl Variant {
+    /// `head` (loaded for the variant) so, drafting from Q8_0 copies as the evaluated heads
+    /// do.
+    fn of(self, head: LayerHead, lm: &LoadedModel) -> Result<LayerHead> {
+        let head = match self {
+            Variant::FullVocabulary => head.with_full_vocabulary(&lm.model)?,
+            Variant::SubsetOnly => head.without_context_tokens(),
+        };
+        Ok(head.with_q8_0_drafts()?)
+    }
 }
 
 /// A lookahead head's ranks over many sequences: per level, and its best path's acceptance.
@@ -224,35 +250,50 @@ fn main() -> Result<()> {
     let mut candidates: Vec<Candidate> = Vec::new();
     for spec in &args.heads {
         let candidate = parse_head(spec, &lm, &sha)?;
-        let full = match &candidate.head {
-            AnyHead::Layer(head) if args.full_vocab => Some(Candidate {
-                name: format!("{spec}:full"),
-                head: AnyHead::Layer(Box::new(
-                    head.with_full_vocabulary(&lm.model)?.with_q8_0_drafts()?,
-                )),
-                exit_layer: candidate.exit_layer,
-                meta: None,
-            }),
-            _ => None,
-        };
+        let mut variants = Vec::new();
+        if let AnyHead::Layer(_) = &candidate.head {
+            for (wanted, name, variant) in [
+                (args.full_vocab, "full", Variant::FullVocabulary),
+                (args.subset_only, "subset", Variant::SubsetOnly),
+            ] {
+                if wanted {
+                    let (head, _) = load_layer_head(heads::chain(spec), &lm.model, Some(&sha))?;
+                    variants.push(Candidate {
+                        name: format!("{spec}:{name}"),
+                        head: AnyHead::Layer(Box::new(variant.of(head, &lm)?)),
+                        exit_layer: candidate.exit_layer,
+                        meta: None,
+                    });
+                }
+            }
+        }
         candidates.push(candidate);
-        candidates.extend(full);
+        candidates.extend(variants);
     }
     let heads: Vec<(&AnyHead, usize)> =
         candidates.iter().map(|c| (&c.head, c.exit_layer)).collect();
     let (mut trees, mut tree_names): (Vec<LayerHead>, Vec<String>) = (Vec::new(), Vec::new());
     for h in &args.lookahead {
-        let (head, _) = load_lookahead_head(heads::lookahead(h), &lm.model, Some(&sha))
-            .with_context(|| format!("lookahead head `{h}`"))?;
-        let full = match args.full_vocab {
-            true => Some(head.with_full_vocabulary(&lm.model)?.with_q8_0_drafts()?),
-            false => None,
+        let load = || {
+            load_lookahead_head(heads::lookahead(h), &lm.model, Some(&sha))
+                .map(|(head, _)| head)
+                .with_context(|| format!("lookahead head `{h}`"))
         };
+        let head = load()?;
+        let mut variants = Vec::new();
+        for (wanted, name, variant) in [
+            (args.full_vocab, "full", Variant::FullVocabulary),
+            (args.subset_only, "subset", Variant::SubsetOnly),
+        ] {
+            if wanted {
+                variants.push((variant.of(load()?, &lm)?, format!("{h}:{name}")));
+            }
+        }
         trees.push(head.with_q8_0_drafts()?);
         tree_names.push(h.clone());
-        if let Some(full) = full {
-            trees.push(full);
-            tree_names.push(format!("{h}:full"));
+        for (variant, name) in variants {
+            trees.push(variant);
+            tree_names.push(name);
         }
     }
     let mut paths: Vec<BTreeMap<String, PathAgreement>> = vec![BTreeMap::new(); trees.len()];

@@ -27,6 +27,8 @@ use crate::quant::quantize_q8_0;
 #[derive(Debug, Clone, PartialEq)]
 pub struct VocabSubset {
     ids: Arc<Vec<u32>>,
+    /// `members[t]`: token `t` is among `ids`.
+    members: Arc<Vec<bool>>,
 }
 
 impl VocabSubset {
@@ -51,7 +53,10 @@ impl VocabSubset {
                 )));
             }
         }
-        Ok(VocabSubset { ids: Arc::new(ids) })
+        Ok(VocabSubset {
+            ids: Arc::new(ids),
+            members: Arc::new(seen),
+        })
     }
 
     /// The `n` most frequent ids of `counts` (index = token id), always including `always`
@@ -103,8 +108,11 @@ pub(crate) struct Projection {
 
 impl Projection {
     pub(crate) fn new(model: &Llama, subset: Option<&VocabSubset>) -> Result<Self> {
-        let mut projection = match subset {
-            Some(s) => Self::rows(model, s.ids.clone())?,
+        Ok(match subset {
+            Some(s) => Projection {
+                members: Some(s.members.clone()),
+                ..Self::rows(model, s.ids.clone())?
+            },
             None => {
                 let (native, weight) = match model.native_lm_head() {
                     Some(q) => (Some(q.clone()), lazy_param(q.clone(), model.device())),
@@ -118,15 +126,7 @@ impl Projection {
                     packed: PackedCache::default(),
                 }
             }
-        };
-        if let Some(ids) = &projection.ids {
-            let mut members = vec![false; model.config().vocab_size];
-            for &id in ids.iter() {
-                members[id as usize] = true;
-            }
-            projection.members = Some(Arc::new(members));
-        }
-        Ok(projection)
+        })
     }
 
     /// The LM head's rows of `ids` (validated against the vocabulary by the model).
@@ -235,13 +235,11 @@ impl ContextTokens {
     pub(crate) fn record(
         &mut self,
         projection: &Projection,
-        vocab: usize,
+        model: &Llama,
         first: usize,
         tokens: &[u32],
     ) -> Result<()> {
-        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(ModelError::TokenOutOfRange { id, vocab });
-        }
+        model.check_token_ids(tokens)?;
         for (i, &token) in tokens.iter().enumerate() {
             if projection.lacks(token) && self.known.insert(token) {
                 self.seen.push((token, first + i));

@@ -365,6 +365,9 @@ pub struct LayerHead {
     weights: LayerHeadWeights,
     exit_layer: usize,
     projection: Projection,
+    /// Whether the draft vocabulary is widened by the sequence's own tokens (the default; see
+    /// [`LayerHead::without_context_tokens`]).
+    context_tokens: bool,
 }
 
 impl LayerHead {
@@ -461,6 +464,7 @@ impl LayerHead {
             weights,
             exit_layer: n,
             projection,
+            context_tokens: true,
         })
     }
 
@@ -502,6 +506,34 @@ impl LayerHead {
         Self::from_weights(model, self.exit_layer, weights, None)
     }
 
+    /// This head drafting from its draft vocabulary alone, never from the tokens its sequence
+    /// brought ([`ContextTokens`]): what widening the vocabulary gains, measured on the same
+    /// weights (a head projecting onto the whole vocabulary lacks no token either way).
+    pub fn without_context_tokens(mut self) -> Self {
+        self.context_tokens = false;
+        self
+    }
+
+    /// Whether the head drafts the tokens its sequence brought beside its draft vocabulary.
+    pub fn drafts_context_tokens(&self) -> bool {
+        self.context_tokens
+    }
+
+    /// Notes `tokens` at positions `first..` in `cache`'s context tokens, where this head
+    /// drafts them (a token outside the vocabulary is an error either way).
+    fn record_context(
+        &self,
+        model: &Llama,
+        cache: &mut LayerHeadCache,
+        first: usize,
+        tokens: &[u32],
+    ) -> Result<()> {
+        match self.context_tokens {
+            true => cache.context.record(&self.projection, model, first, tokens),
+            false => model.check_token_ids(tokens),
+        }
+    }
+
     /// This head with `extra` more decoder layers ([`LayerHeadWeights::deepen`]: it drafts as
     /// before until trained), for `model`, its exit layer and vocabulary kept.
     pub fn deepened(self, model: &Llama, extra: usize) -> Result<Self> {
@@ -509,9 +541,11 @@ impl LayerHead {
             weights,
             exit_layer,
             projection,
+            context_tokens,
         } = self;
         let mut deeper =
             LayerHead::from_weights_with(model, exit_layer, weights.deepen(extra)?, projection)?;
+        deeper.context_tokens = context_tokens;
         if deeper.projection.native.is_some() {
             deeper = deeper.with_q8_0_drafts()?;
         }
@@ -641,8 +675,7 @@ impl LookaheadHead<Llama> for LayerHead {
         let input = self.weights.fused_input(hidden, model.embed(next)?, eps)?;
         let past = cache.len();
         let h = self.state(model, input, Some(&mut cache.kv))?;
-        let vocab = model.config().vocab_size;
-        cache.context.record(&self.projection, vocab, past, next)?;
+        self.record_context(model, cache, past, next)?;
         let state = h.narrow(0, next.len() - 1, 1);
         Ok(LookaheadDraft {
             draft: self.projection.logits_with(
@@ -698,8 +731,7 @@ impl DraftHead<Llama> for LayerHead {
         first: usize,
         tokens: &[u32],
     ) -> Result<()> {
-        let vocab = model.config().vocab_size;
-        cache.context.record(&self.projection, vocab, first, tokens)
+        self.record_context(model, cache, first, tokens)
     }
 
     fn cached_len(&self, cache: &LayerHeadCache) -> usize {

@@ -423,15 +423,21 @@ impl Llama {
         KvCache::new(self.layers.len())
     }
 
+    /// Refuses any id outside the vocabulary.
+    pub(crate) fn check_token_ids(&self, tokens: &[u32]) -> Result<()> {
+        let vocab = self.config.vocab_size;
+        match tokens.iter().find(|&&id| id as usize >= vocab) {
+            Some(&id) => Err(ModelError::TokenOutOfRange { id, vocab }),
+            None => Ok(()),
+        }
+    }
+
     /// Embeds token ids into hidden states `[t, hidden]`.
     pub fn embed(&self, tokens: &[u32]) -> Result<Tensor<2>> {
         if tokens.is_empty() {
             return Err(ModelError::InvalidArgument("empty token block".into()));
         }
-        let vocab = self.config.vocab_size;
-        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab) {
-            return Err(ModelError::TokenOutOfRange { id, vocab });
-        }
+        self.check_token_ids(tokens)?;
         if let Some(q) = &self.native_embedding {
             let h = self.config.hidden_size;
             let mut rows = vec![0f32; tokens.len() * h];

@@ -3,8 +3,9 @@
 //! their columns follow the subset's in the order the sequence brought them, hold the logits a
 //! full-vocabulary head gives those tokens (bit for bit), appear from the position where a
 //! token first arrives and go when the head forgets that position; a lookahead head adds its
-//! `next` tokens itself; a head without a subset adds nothing; EESD and trees with such heads
-//! stay token-identical to AR.
+//! `next` tokens itself; a head without a subset adds nothing, nor one made
+//! [`eesd_models::LayerHead::without_context_tokens`]; EESD and trees with such heads stay
+//! token-identical to AR.
 
 mod common;
 
@@ -106,6 +107,56 @@ fn a_chain_head_drafts_the_tokens_its_sequence_brought() {
             ));
             assert_eq!(cache.context_tokens().len(), 3);
         }
+    }
+}
+
+#[test]
+fn a_head_without_context_tokens_drafts_its_subset_alone() {
+    for model in [tiny(2), tiny_quantized(5)] {
+        let head = || {
+            LayerHead::from_model(&model, HeadKind::Layer, 2, 2, Some(&subset(&model)))
+                .unwrap()
+                .with_q8_0_drafts()
+                .unwrap()
+        };
+        let (head, plain) = (head(), head().without_context_tokens());
+        assert!(head.drafts_context_tokens());
+        let mut cache = DraftHead::new_cache(&head, &model);
+        let widened = head
+            .draft_logits(&model, states(&model, 2), &mut cache)
+            .unwrap();
+        assert!(!plain.drafts_context_tokens());
+        let mut cache = DraftHead::new_cache(&plain, &model);
+        plain
+            .observe_tokens(&model, &mut cache, 0, &PROMPT)
+            .unwrap();
+        assert!(cache.context_tokens().is_empty());
+        let draft = plain
+            .draft_logits(&model, states(&model, 2), &mut cache)
+            .unwrap();
+        // The subset's columns, as the head gives them before its sequence brings a token.
+        assert_eq!(draft.context_columns, 0);
+        assert_eq!(draft.token_ids, widened.token_ids);
+        assert_eq!(values(draft.logits), values(widened.logits));
+        // Tokens outside the vocabulary are still refused.
+        let vocab = model.config().vocab_size as u32;
+        assert!(matches!(
+            plain.observe_tokens(&model, &mut cache, 6, &[vocab]),
+            Err(ModelError::TokenOutOfRange { .. })
+        ));
+        // A lookahead head likewise ignores its `next` tokens.
+        let n = model.num_layers();
+        let tree =
+            LayerHead::from_model(&model, HeadKind::Lookahead, n, n - 1, Some(&subset(&model)))
+                .unwrap()
+                .without_context_tokens();
+        let mut cache = LookaheadHead::new_cache(&tree, &model);
+        let rows = states(&model, n).narrow(0, 0, 5);
+        let draft = tree
+            .lookahead(&model, rows, &PROMPT[1..], &mut cache)
+            .unwrap();
+        assert_eq!(draft.draft.token_ids.as_deref().map(Vec::len), Some(16));
+        assert!(cache.context_tokens().is_empty());
     }
 }
 
