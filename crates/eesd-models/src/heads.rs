@@ -519,21 +519,6 @@ impl LayerHead {
         self.context_tokens
     }
 
-    /// Notes `tokens` at positions `first..` in `cache`'s context tokens, where this head
-    /// drafts them (a token outside the vocabulary is an error either way).
-    fn record_context(
-        &self,
-        model: &Llama,
-        cache: &mut LayerHeadCache,
-        first: usize,
-        tokens: &[u32],
-    ) -> Result<()> {
-        match self.context_tokens {
-            true => cache.context.record(&self.projection, model, first, tokens),
-            false => model.check_token_ids(tokens),
-        }
-    }
-
     /// This head with `extra` more decoder layers ([`LayerHeadWeights::deepen`]: it drafts as
     /// before until trained), for `model`, its exit layer and vocabulary kept.
     pub fn deepened(self, model: &Llama, extra: usize) -> Result<Self> {
@@ -675,7 +660,7 @@ impl LookaheadHead<Llama> for LayerHead {
         let input = self.weights.fused_input(hidden, model.embed(next)?, eps)?;
         let past = cache.len();
         let h = self.state(model, input, Some(&mut cache.kv))?;
-        self.record_context(model, cache, past, next)?;
+        DraftHead::observe_tokens(self, model, cache, past, next)?;
         let state = h.narrow(0, next.len() - 1, 1);
         Ok(LookaheadDraft {
             draft: self.projection.logits_with(
@@ -731,7 +716,11 @@ impl DraftHead<Llama> for LayerHead {
         first: usize,
         tokens: &[u32],
     ) -> Result<()> {
-        self.record_context(model, cache, first, tokens)
+        // A token outside the vocabulary is an error either way.
+        match self.context_tokens {
+            true => cache.context.record(&self.projection, model, first, tokens),
+            false => model.check_token_ids(tokens),
+        }
     }
 
     fn cached_len(&self, cache: &LayerHeadCache) -> usize {
