@@ -126,6 +126,17 @@ enum Variant {
 }
 
 impl Variant {
+    /// The variants the command line asks for, each with the suffix of its name.
+    fn wanted(args: &Args) -> Vec<(Variant, &'static str)> {
+        [
+            (args.full_vocab, Variant::FullVocabulary, "full"),
+            (args.subset_only, Variant::SubsetOnly, "subset"),
+        ]
+        .into_iter()
+        .filter_map(|(wanted, variant, name)| wanted.then_some((variant, name)))
+        .collect()
+    }
+
     /// `head` (loaded for the variant) so, drafting from Q8_0 copies as the evaluated heads
     /// do.
     fn of(self, head: LayerHead, lm: &LoadedModel) -> Result<LayerHead> {
@@ -252,19 +263,15 @@ fn main() -> Result<()> {
         let candidate = parse_head(spec, &lm, &sha)?;
         let mut variants = Vec::new();
         if let AnyHead::Layer(_) = &candidate.head {
-            for (wanted, name, variant) in [
-                (args.full_vocab, "full", Variant::FullVocabulary),
-                (args.subset_only, "subset", Variant::SubsetOnly),
-            ] {
-                if wanted {
-                    let (head, _) = load_layer_head(heads::chain(spec), &lm.model, Some(&sha))?;
-                    variants.push(Candidate {
-                        name: format!("{spec}:{name}"),
-                        head: AnyHead::Layer(Box::new(variant.of(head, &lm)?)),
-                        exit_layer: candidate.exit_layer,
-                        meta: None,
-                    });
-                }
+            for (variant, name) in Variant::wanted(&args) {
+                let (head, _) = load_layer_head(heads::chain(spec), &lm.model, Some(&sha))
+                    .with_context(|| format!("head `{spec}`"))?;
+                variants.push(Candidate {
+                    name: format!("{spec}:{name}"),
+                    head: AnyHead::Layer(Box::new(variant.of(head, &lm)?)),
+                    exit_layer: candidate.exit_layer,
+                    meta: None,
+                });
             }
         }
         candidates.push(candidate);
@@ -281,13 +288,8 @@ fn main() -> Result<()> {
         };
         let head = load()?;
         let mut variants = Vec::new();
-        for (wanted, name, variant) in [
-            (args.full_vocab, "full", Variant::FullVocabulary),
-            (args.subset_only, "subset", Variant::SubsetOnly),
-        ] {
-            if wanted {
-                variants.push((variant.of(load()?, &lm)?, format!("{h}:{name}")));
-            }
+        for (variant, name) in Variant::wanted(&args) {
+            variants.push((variant.of(load()?, &lm)?, format!("{h}:{name}")));
         }
         trees.push(head.with_q8_0_drafts()?);
         tree_names.push(h.clone());

@@ -43,7 +43,8 @@ impl NormHead {
         NormHead { projection: None }
     }
 
-    /// Projects onto `subset` only.
+    /// Projects onto `subset` only (unlike a [`LayerHead`], without the tokens its sequence
+    /// brings: this head is a baseline, and keeps no state of the sequence).
     pub fn with_vocab(model: &Llama, subset: &VocabSubset) -> Result<Self> {
         Ok(NormHead {
             projection: Some(Box::new(Projection::new(model, Some(subset))?)),
