@@ -300,6 +300,12 @@ fn main() -> Result<()> {
                         "speedup {mode:?}/AR: {speedup:.2}x; outputs identical: {identical}{note}"
                     );
                 }
+                // One answer, timed once per method, on a fresh drafter: a rough figure.
+                eprintln!(
+                    "(one prompt, each method once: single runs move by about ±10% on a busy \
+                     machine; `spec_bench` times Spec-Bench's questions with AR beside each \
+                     method)"
+                );
             }
         }
         [] => {}
