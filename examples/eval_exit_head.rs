@@ -106,14 +106,19 @@ fn parse_head(spec: &str, lm: &LoadedModel, sha: &str) -> Result<Candidate> {
             meta: None,
         });
     }
-    let (head, meta) = load_layer_head(heads::chain(spec), &lm.model, Some(sha))
-        .with_context(|| format!("head `{spec}`"))?;
+    let (head, meta) = load_chain(spec, lm, sha)?;
     Ok(Candidate {
         name: spec.into(),
         head: AnyHead::Layer(Box::new(head.with_q8_0_drafts()?)),
         exit_layer: meta.exit_layer,
         meta: Some(meta),
     })
+}
+
+/// The trained chain head `spec` (`shipped` or a checkpoint prefix) for `lm`.
+fn load_chain(spec: &str, lm: &LoadedModel, sha: &str) -> Result<(LayerHead, HeadMetadata)> {
+    load_layer_head(heads::chain(spec), &lm.model, Some(sha))
+        .with_context(|| format!("head `{spec}`"))
 }
 
 /// Another draft vocabulary for a trained head, on the same weights.
@@ -264,8 +269,7 @@ fn main() -> Result<()> {
         let mut variants = Vec::new();
         if let AnyHead::Layer(_) = &candidate.head {
             for (variant, name) in Variant::wanted(&args) {
-                let (head, _) = load_layer_head(heads::chain(spec), &lm.model, Some(&sha))
-                    .with_context(|| format!("head `{spec}`"))?;
+                let (head, _) = load_chain(spec, &lm, &sha)?;
                 variants.push(Candidate {
                     name: format!("{spec}:{name}"),
                     head: AnyHead::Layer(Box::new(variant.of(head, &lm)?)),
