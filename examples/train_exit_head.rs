@@ -54,6 +54,12 @@ struct Args {
     /// layer N may be the last one).
     #[arg(long, default_value = "layer")]
     head: HeadKind,
+    /// Earlier layers a lookahead head reads beside its layer N (`10,20`: EAGLE-3's mix of
+    /// low, middle and high features, all from the verification pass). Their columns of the
+    /// head's input fusion start at zero, so a head from `--init-head` drafts as before at
+    /// step 0 and learns to use them.
+    #[arg(long, value_delimiter = ',')]
+    mix_layers: Vec<usize>,
     /// Model layer whose weights initialise each head's layer (default: its N, or the last
     /// layer for a lookahead head reading layer L).
     #[arg(long)]
@@ -461,8 +467,15 @@ fn main() -> Result<()> {
     if layers.is_empty() {
         bail!("--exit-layer names no layer");
     }
+    // Layers whose states the frozen model's passes keep: the heads' and those they mix in.
+    let with_mix = |heads: &[usize]| {
+        let mut kept: Vec<usize> = heads.iter().chain(&args.mix_layers).copied().collect();
+        kept.sort_unstable();
+        kept.dedup();
+        kept
+    };
     // The frozen model's passes over the held-out answers, made once for every evaluation.
-    let eval_set = EvalSet::new(m, held_out, &layers)?;
+    let eval_set = EvalSet::new(m, held_out, &with_mix(&layers))?;
     let mut runs = layers
         .iter()
         .map(|&n| {
@@ -522,11 +535,11 @@ fn main() -> Result<()> {
         let teacher = match &cache {
             Some(cache) => {
                 let key = format!("block-{:06}", step % batches.len());
-                let (teacher, outcome) = cache.teacher(m, &key, &batch, &layers)?;
+                let (teacher, outcome) = cache.teacher(m, &key, &batch, &with_mix(&layers))?;
                 cache_reads += usize::from(outcome == CacheOutcome::Hit);
                 teacher
             }
-            None => Teacher::new(m, &batch, &due)?,
+            None => Teacher::new(m, &batch, &with_mix(&due))?,
         }
         .with_prompt_lengths(sequences.iter().map(|s| s.prompt_len).collect())?;
         for run in runs.iter_mut().filter(|r| due.contains(&r.exit_layer)) {
@@ -613,7 +626,7 @@ fn main() -> Result<()> {
             training: serde_json::json!({
                 "distill": config, "init_layer": args.init_head.is_none().then_some(init), "init_head": args.init_head.as_ref().map(|p| p.display().to_string()), "prompts": args.num_prompts, "sequences": held_out.len() + train.len(), "sampled_per_prompt": args.sampled, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
                 "held_out": held, "answer_tokens": args.answer_tokens, "tokens_per_step": args.tokens_per_step, "loss": format!("KL(teacher || student) over the draft vocabulary + {} x CE(greedy token), on {}{}", args.ce_weight, if config.answers_only { "answer positions" } else { "all positions" }, if config.levels > 1 { format!("; levels 2..={} on the head's own states, weight {} each", config.levels, config.deep_weight) } else { String::new() }),
-                "exit_layers_trained_together": layers, "head_layers": head.weights().depth(), "generation_seconds": run.generation_seconds, "train_tokens_per_second": train_tokens_per_second, "total_seconds": seconds,
+                "exit_layers_trained_together": layers, "head_layers": head.weights().depth(), "mix_layers": head.weights().mix_layers, "generation_seconds": run.generation_seconds, "train_tokens_per_second": train_tokens_per_second, "total_seconds": seconds,
             }),
             metrics: serde_json::json!({ "before": before, "after": after, "history": history }),
         };
@@ -755,6 +768,11 @@ impl<'m> HeadRun<'m> {
                 bail!("--head-layers {wanted}: the initial head already has {depth} layers");
             }
             let head = head.deepened(m, wanted - depth)?;
+            let head = match args.mix_layers.as_slice() {
+                [] => head,
+                mix if head.weights().mix_layers == mix => head,
+                mix => head.with_mix_layers(m, mix)?,
+            };
             let d = Distiller::new(m, head, config.clone())?;
             let before = d.evaluate_set(eval_set, EVAL_K)?;
             (d, before, Vec::new(), 0.0, 0.0)

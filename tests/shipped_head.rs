@@ -95,6 +95,7 @@ fn shipped_head_drafts_from_quantized_blocks_like_its_dense_weights() {
             norm: head.weights().norm.clone(),
             fuse: None,
             kind: head.kind(),
+            mix_layers: Vec::new(),
         };
         assert_eq!(dense.layer.native.bytes(), 0);
         let ctx = AttentionContext::for_config(m.rope(), m.config(), 0, t);

@@ -96,17 +96,18 @@ pub trait Drafter {
         Vec::new()
     }
 
-    /// The layer whose hidden states this drafter reads ([`Drafter::features`]), in
-    /// `1..=num_layers`; `None` (the default) for drafters that read tokens only.
-    fn feature_layer(&self) -> Option<usize> {
-        None
+    /// The layers whose hidden states this drafter reads ([`Drafter::features`]), ascending,
+    /// each in `1..=num_layers`; empty (the default) for drafters that read tokens only.
+    fn feature_layers(&self) -> Vec<usize> {
+        Vec::new()
     }
 
-    /// Newly committed positions `position..position + t`: `hidden: [t, hidden]` their states
-    /// after [`Drafter::feature_layer`] and `next[i]` the token that follows position
-    /// `position + i` (the last one is the next round's root). Called only when a feature
-    /// layer is named: at prefill for every prompt position but the last (`position` 0: a new
-    /// sequence), then after each round for the rows it kept.
+    /// Newly committed positions `position..position + t`: `hidden: [t, k·hidden]` their
+    /// states after each of the `k` [`Drafter::feature_layers`], side by side in that order, and
+    /// `next[i]` the token that follows position `position + i` (the last one is the next
+    /// round's root). Called only when feature layers are named: at prefill for every prompt
+    /// position but the last (`position` 0: a new sequence), then after each round for the rows
+    /// it kept.
     fn features(&mut self, position: usize, hidden: Tensor<2>, next: &[u32]) -> Result<()> {
         let _ = (position, hidden, next);
         Ok(())
@@ -163,8 +164,8 @@ impl<D: Drafter + ?Sized> Drafter for Box<D> {
     fn choices(&self) -> Vec<(String, u64)> {
         (**self).choices()
     }
-    fn feature_layer(&self) -> Option<usize> {
-        (**self).feature_layer()
+    fn feature_layers(&self) -> Vec<usize> {
+        (**self).feature_layers()
     }
     fn features(&mut self, position: usize, hidden: Tensor<2>, next: &[u32]) -> Result<()> {
         (**self).features(position, hidden, next)

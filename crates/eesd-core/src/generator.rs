@@ -460,20 +460,17 @@ fn run_tree<M: LayeredModel, F: FnMut(&[u32]) -> ControlFlow<()>>(
     let start = Instant::now();
     let p = prompt.len();
     // A drafter that reads hidden states (a lookahead head) gets every committed position's
-    // state after its layer: verification runs layers [0, N) and [N, L) as two passes.
-    let feature = drafter.feature_layer();
-    if let Some(n) = feature.filter(|&n| n == 0 || n > all.end) {
-        return Err(CoreError::InvalidConfig(format!(
-            "drafter {} reads layer {n} of a model of {} layers",
-            drafter.name(),
-            all.end
-        )));
-    }
-    let split = feature.unwrap_or(all.end);
+    // states after its layers: verification runs the layers up to each of them, then the
+    // rest, as consecutive passes.
+    let feature = drafter.feature_layers();
+    check_feature_layers(&feature, all.end)
+        .map_err(|e| CoreError::InvalidConfig(format!("drafter {} reads {e}", drafter.name())))?;
+    let split = feature.last().copied().unwrap_or(all.end);
     if p > 1 {
-        let states = forward_tokens(m, &prompt[..p - 1], 0..split, &mut cache)?;
-        if feature.is_some() {
-            drafter.features(0, states.clone(), &prompt[1..])?;
+        let x = m.embed(&prompt[..p - 1]).map_err(model_err)?;
+        let (states, features) = forward_features(m, x, &feature, split, &mut cache, None)?;
+        if let Some(features) = features {
+            drafter.features(0, features, &prompt[1..])?;
         }
         let h = rest_of_layers(m, states, split, &mut cache, None)?;
         if wanted > 0 {
@@ -518,15 +515,9 @@ fn run_tree<M: LayeredModel, F: FnMut(&[u32]) -> ControlFlow<()>>(
         let mut tokens = vec![context[first]];
         tokens.extend_from_slice(tree.tokens());
         let mask = tree.mask();
-        let states = m
-            .forward_tree(
-                m.embed(&tokens).map_err(model_err)?,
-                0..split,
-                &mut cache,
-                &mask,
-            )
-            .map_err(model_err)?;
-        let h = rest_of_layers(m, states.clone(), split, &mut cache, Some(&mask))?;
+        let x = m.embed(&tokens).map_err(model_err)?;
+        let (states, features) = forward_features(m, x, &feature, split, &mut cache, Some(&mask))?;
+        let h = rest_of_layers(m, states, split, &mut cache, Some(&mask))?;
         let logits = host(m.logits(h))?;
         let target = rows(&logits, vocab);
         // Sampling draws as AR does (`Sampler::draw` is `Sampler::sample`), keeping each drawn
@@ -567,10 +558,10 @@ fn run_tree<M: LayeredModel, F: FnMut(&[u32]) -> ControlFlow<()>>(
         }
         let mut block: Vec<u32> = verdict.path.iter().map(|&n| tree.tokens()[n]).collect();
         block.push(verdict.next);
-        if feature.is_some() && out.remaining() > block.len() {
+        if let Some(features) = features.filter(|_| out.remaining() > block.len()) {
             // The kept rows' states, each with the token now following it (a drafting cost:
             // counted in the round's draft time and in its time for `RoundCost`).
-            let kept_states = kept.iter().map(|&r| states.clone().narrow(0, r, 1));
+            let kept_states = kept.iter().map(|&r| features.clone().narrow(0, r, 1));
             drafter.features(first, Tensor::cat(kept_states.collect(), 0), &block)?;
         }
         stats.draft_seconds += draft_seconds + observe_start.elapsed().as_secs_f64();
@@ -612,6 +603,56 @@ fn rest_of_layers<M: LayeredModel>(
         None => m.forward_layers(states, layers, cache),
     }
     .map_err(model_err)
+}
+
+/// Refuses feature layers that are not ascending within `1..=layers` (`Err` names them).
+pub(crate) fn check_feature_layers(
+    features: &[usize],
+    layers: usize,
+) -> std::result::Result<(), String> {
+    let ascending = features.windows(2).all(|w| w[0] < w[1]);
+    match features.iter().all(|&n| (1..=layers).contains(&n)) && ascending {
+        true => Ok(()),
+        false => Err(format!(
+            "layers {features:?} (ascending, each in 1..={layers}) of a model of {layers} layers"
+        )),
+    }
+}
+
+/// `x` through layers `[0, split)` in consecutive passes that end at each of `features`
+/// (ascending, the last `split` when any), as a tree block when `mask` is given: the output of
+/// layer `split`, and the feature layers' outputs side by side `[rows, k·hidden]` (`None`
+/// without feature layers). Passes split anywhere compute what one pass does, bit for bit.
+pub(crate) fn forward_features<M: LayeredModel>(
+    m: &M,
+    mut x: Tensor<2>,
+    features: &[usize],
+    split: usize,
+    cache: &mut M::Cache,
+    mask: Option<&TreeMask>,
+) -> Result<(Tensor<2>, Option<Tensor<2>>)> {
+    let mut pass = |x: Tensor<2>, layers: std::ops::Range<usize>| {
+        match mask {
+            Some(mask) => m.forward_tree(x, layers, cache, mask),
+            None => m.forward_layers(x, layers, cache),
+        }
+        .map_err(model_err)
+    };
+    let (mut done, mut kept) = (0, Vec::with_capacity(features.len()));
+    for &n in features {
+        x = pass(x, done..n)?;
+        kept.push(x.clone());
+        done = n;
+    }
+    if split > done {
+        x = pass(x, done..split)?;
+    }
+    let features = match kept.len() {
+        0 => None,
+        1 => kept.pop(),
+        _ => Some(Tensor::cat(kept, 1)),
+    };
+    Ok((x, features))
 }
 
 /// Token ids through `layers`: their hidden states after the last of them, with those layers'

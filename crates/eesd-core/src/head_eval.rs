@@ -165,7 +165,7 @@ pub fn lookahead_ranks<M: LayeredModel, H: LookaheadHead<M>>(
     score: Range<usize>,
     levels: usize,
 ) -> Result<Vec<Ranks>> {
-    let (layers, n) = (model.num_layers(), head.feature_layer());
+    let (layers, features) = (model.num_layers(), head.feature_layers());
     if score.start == 0 || score.start > score.end || score.end > tokens.len() {
         return Err(CoreError::InvalidConfig(format!(
             "scored positions {score:?} of a sequence of {} tokens (a lookahead head drafts \
@@ -173,29 +173,28 @@ pub fn lookahead_ranks<M: LayeredModel, H: LookaheadHead<M>>(
             tokens.len()
         )));
     }
-    if n == 0 || n > layers {
-        return Err(CoreError::InvalidConfig(format!(
-            "feature layer {n} of a model of {layers} layers"
-        )));
-    }
+    crate::generator::check_feature_layers(&features, layers)
+        .map_err(|e| CoreError::InvalidConfig(format!("a lookahead head reading {e}")))?;
+    let Some(&n) = features.last() else {
+        return Err(CoreError::InvalidConfig(
+            "a lookahead head that reads no layer".into(),
+        ));
+    };
     fits_context(model, tokens)?;
     let mut ranks = vec![Ranks::new(); levels];
     if score.is_empty() || levels == 0 {
         return Ok(ranks);
     }
     let mut cache = model.new_cache();
-    let states = model
-        .forward_layers(
-            model.embed(tokens).map_err(CoreError::model)?,
-            0..n,
-            &mut cache,
-        )
-        .map_err(CoreError::model)?;
+    let x = model.embed(tokens).map_err(CoreError::model)?;
+    let (states, features) =
+        crate::generator::forward_features(model, x, &features, n, &mut cache, None)?;
+    let features = features.unwrap_or_else(|| states.clone());
     let top = match n < layers {
         true => model
             .forward_layers(states.clone(), n..layers, &mut cache)
             .map_err(CoreError::model)?,
-        false => states.clone(),
+        false => states,
     };
     let (full, vocab) = rows_of(model.logits(top), &(0..tokens.len()))?;
     let greedy: Vec<usize> = full.chunks(vocab).map(crate::argmax).collect();
@@ -208,14 +207,14 @@ pub fn lookahead_ranks<M: LayeredModel, H: LookaheadHead<M>>(
     let first = score.start - 1;
     if first > 0 {
         lookahead(
-            states.clone().narrow(0, 0, first),
+            features.clone().narrow(0, 0, first),
             &tokens[1..=first],
             &mut head_cache,
         )?;
     }
     for i in score {
         let mut draft = lookahead(
-            states.clone().narrow(0, i - 1, 1),
+            features.clone().narrow(0, i - 1, 1),
             &tokens[i..=i],
             &mut head_cache,
         )?;

@@ -130,10 +130,11 @@ pub trait DraftHead<M: LayeredModel> {
 pub struct LookaheadDraft {
     /// Draft logits `[1, n]` for the token after the last `next` token.
     pub draft: DraftLogits,
-    /// The head's output state of that row `[1, hidden]` (before its norm). The head maps
-    /// (state of position j, token j + 1) to a state that predicts token j + 2, the role of
-    /// the layer-N state of position j + 1; fed back with a drafted token j + 2, it drafts
-    /// token j + 3 without the model (EAGLE-style recursion, the head's own approximation).
+    /// The head's output state of that row (before its norm), laid out as the head's input
+    /// states `[1, k·hidden]` ([`LookaheadHead::feature_layers`]). The head maps (state of
+    /// position j, token j + 1) to a state that predicts token j + 2, the role of the layer-N
+    /// state of position j + 1; fed back with a drafted token j + 2, it drafts token j + 3
+    /// without the model (EAGLE-style recursion, the head's own approximation).
     pub state: Tensor<2>,
 }
 
@@ -143,17 +144,21 @@ pub struct LookaheadDraft {
 /// Verification computes every row's layer-N state, so when a round's target token becomes
 /// the next root, the head already has what it needs to draft the root's children: its cost is
 /// the head alone, with no pass through layers `[0, N)` for the root as a chain head needs. N
-/// may be the last layer (`feature_layer() == num_layers()`: the state before the final norm).
+/// may be the last layer (the state before the final norm). A head may also read the states of
+/// earlier layers beside layer N's (EAGLE-3's mix of low, middle and high features): all of
+/// them come from the same verification pass.
 pub trait LookaheadHead<M: LayeredModel> {
     /// The head's own state (a KV cache when it has attention).
     type Cache;
 
-    /// The layer whose output the head reads, in `1..=num_layers()`.
-    fn feature_layer(&self) -> usize;
+    /// The layers whose outputs the head reads, ascending, each in `1..=num_layers()`; the
+    /// last is its layer N.
+    fn feature_layers(&self) -> Vec<usize>;
     /// A fresh head state.
     fn new_cache(&self, model: &M) -> Self::Cache;
-    /// Appends consecutive positions to the head's state: `hidden: [t, hidden]` their layer-N
-    /// states and `next[i]` the token that follows position `i`. Returns the draft of the
+    /// Appends consecutive positions to the head's state: `hidden: [t, k·hidden]` their states
+    /// after each of the `k` [`LookaheadHead::feature_layers`], side by side in that order, and
+    /// `next[i]` the token that follows position `i`. Returns the draft of the
     /// token after `next[t - 1]`, and the head's state of that row, which stands in for the
     /// layer-N state of `next[t - 1]`'s position when the head drafts one level deeper.
     fn lookahead(

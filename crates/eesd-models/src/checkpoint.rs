@@ -183,10 +183,34 @@ pub fn save_layer_head(
         .collect::<Result<Vec<_>>>()?;
     // Each file is replaced whole; the metadata goes last, so a run killed in between leaves
     // new weights that the old metadata's shapes and hash checks still describe or refuse.
-    let weights = safetensors::serialize(views, None).map_err(|e| malformed(e.to_string()))?;
+    let weights = safetensors::serialize(views, weights_header(head.weights()))
+        .map_err(|e| malformed(e.to_string()))?;
     write_atomically(&st_path, &weights)?;
     let json = serde_json::to_string_pretty(metadata).map_err(|e| malformed(e.to_string()))?;
     write_atomically(&json_path, json.as_bytes())
+}
+
+/// The weights file's own header entry for what its tensors' shapes do not say: the layers a
+/// mixing lookahead head reads besides layer N (`"mix_layers": "10,20"`), beside its fusion,
+/// whose width counts them. None for every other head.
+fn weights_header(w: &LayerHeadWeights) -> Option<std::collections::HashMap<String, String>> {
+    let layers: Vec<String> = w.mix_layers.iter().map(usize::to_string).collect();
+    (!layers.is_empty()).then(|| [(MIX_LAYERS.to_string(), layers.join(","))].into())
+}
+
+/// The header key of [`weights_header`].
+const MIX_LAYERS: &str = "mix_layers";
+
+/// The mix layers a weights file's header names (none when it names none).
+fn mix_layers_of(bytes: &[u8]) -> std::result::Result<Vec<usize>, String> {
+    let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| e.to_string())?;
+    let Some(list) = header.metadata().as_ref().and_then(|m| m.get(MIX_LAYERS)) else {
+        return Ok(Vec::new());
+    };
+    list.split(',')
+        .map(|l| l.trim().parse::<usize>())
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|e| format!("header `{MIX_LAYERS}` = {list:?}: {e}"))
 }
 
 /// Reads a checkpoint's metadata.
@@ -256,6 +280,7 @@ pub fn load_layer_head(
         reason,
     };
     let st = SafeTensors::deserialize(&bytes).map_err(|e| malformed(e.to_string()))?;
+    let mix_layers = mix_layers_of(&bytes).map_err(malformed)?;
     // A deeper head saves `layer1.*`, `layer2.*`, … after `layer.*`; the first name missing
     // ends it.
     let depth = (1..)
@@ -263,6 +288,17 @@ pub fn load_layer_head(
         .count()
         + 1;
     let kind = kind?;
+    // Checked before the expected shapes are made from them (a hostile list could ask for a
+    // fusion of any width).
+    let ascending = mix_layers.windows(2).all(|w| w[0] < w[1]);
+    let below = mix_layers.iter().all(|&l| l > 0 && l < meta.exit_layer);
+    if !mix_layers.is_empty() && (kind != HeadKind::Lookahead || !ascending || !below) {
+        return Err(malformed(format!(
+            "a `{}` head at layer {} mixing layers {mix_layers:?} (only a lookahead head mixes, \
+             layers ascending below its own)",
+            meta.head_kind, meta.exit_layer
+        )));
+    }
     if !kind.allows_depth(depth) {
         return Err(malformed(format!(
             "a `{}` head of {depth} layers (at most {MAX_HEAD_LAYERS}; an adapter has one)",
@@ -276,9 +312,12 @@ pub fn load_layer_head(
         layer: template.clone(),
         deeper: vec![template.clone(); depth - 1],
         norm: Param::from_tensor(model.final_norm().clone()),
-        fuse: (kind == HeadKind::Lookahead)
-            .then(|| Param::from_tensor(Tensor::zeros([d, 2 * d], model.device()))),
+        fuse: (kind == HeadKind::Lookahead).then(|| {
+            let width = (2 + mix_layers.len()) * d;
+            Param::from_tensor(Tensor::zeros([d, width], model.device()))
+        }),
         kind,
+        mix_layers: mix_layers.clone(),
     })
     .into_iter()
     .map(|(n, t)| (n, t.dims().to_vec()))
@@ -342,6 +381,7 @@ pub fn load_layer_head(
         norm: Param::from_tensor(flat(read("norm")?)),
         fuse,
         kind,
+        mix_layers,
     };
     let subset = meta
         .vocab_subset

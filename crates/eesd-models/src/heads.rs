@@ -175,12 +175,19 @@ pub struct LayerHeadWeights {
     pub deeper: Vec<DecoderLayer>,
     /// RMSNorm gain before the (shared, frozen) LM head.
     pub norm: Param<Tensor<1>>,
-    /// A lookahead head's input fusion `[hidden, 2·hidden]` (applied to the normalised layer-N
-    /// state and next-token embedding, concatenated); `None` for the other kinds.
+    /// A lookahead head's input fusion `[hidden, (2 + m)·hidden]`, applied to the normalised
+    /// layer-N state, next-token embedding and states of the `m` [`LayerHeadWeights::mix_layers`],
+    /// concatenated in that order; `None` for the other kinds.
     pub fuse: Option<Param<Tensor<2>>>,
     /// Whole layer, attention-only adapter or lookahead.
     #[module(skip)]
     pub kind: HeadKind,
+    /// Earlier model layers whose states a lookahead head reads beside layer N's (ascending,
+    /// each below N; EAGLE-3's mix of low, middle and high features). Verification computes
+    /// them anyway; they cost the head only their columns of the fusion. Empty for the other
+    /// kinds and for a lookahead head reading layer N alone.
+    #[module(skip)]
+    pub mix_layers: Vec<usize>,
 }
 
 impl LayerHeadWeights {
@@ -227,9 +234,10 @@ impl LayerHeadWeights {
         Ok(self)
     }
 
-    /// A lookahead head's layer input for `hidden: [t, hidden]` (layer-N states) and `next:
-    /// [t, hidden]` (embeddings of the token after each): both RMS-normalised (their scales
-    /// differ by orders of magnitude across layers), concatenated and fused.
+    /// A lookahead head's layer input for `hidden: [t, k·hidden]` (the states after each
+    /// mix layer and layer N, side by side in that order) and `next: [t, hidden]` (embeddings of
+    /// the token after each): each RMS-normalised (their scales differ by orders of magnitude
+    /// across layers), concatenated and fused.
     pub fn fused_input(&self, hidden: Tensor<2>, next: Tensor<2>, eps: f64) -> Result<Tensor<2>> {
         let fuse = self.fuse.as_ref().ok_or_else(|| {
             ModelError::InvalidArgument(format!(
@@ -237,8 +245,32 @@ impl LayerHeadWeights {
                 self.kind.name()
             ))
         })?;
-        let both = vec![rms_normalize(hidden, eps), rms_normalize(next, eps)];
-        Ok(self.layer.project(Tensor::cat(both, 1), fuse))
+        let d = next.dims()[1];
+        let k = self.mix_layers.len() + 1;
+        if hidden.dims()[1] != k * d {
+            return Err(ModelError::InvalidArgument(format!(
+                "a lookahead head reading {k} layers given states of width {} (expected {})",
+                hidden.dims()[1],
+                k * d
+            )));
+        }
+        let state = |i: usize| rms_normalize(hidden.clone().narrow(1, i * d, d), eps);
+        let mut inputs = vec![state(k - 1), rms_normalize(next, eps)];
+        inputs.extend((0..k - 1).map(state));
+        Ok(self.layer.project(Tensor::cat(inputs, 1), fuse))
+    }
+
+    /// The head's own output state `[t, hidden]` laid out as its input states `[t, k·hidden]`
+    /// ([`LayerHeadWeights::fused_input`]), for drafting one level deeper: it stands in for
+    /// layer N's state; the mix layers' states, which the head cannot approximate, are zero
+    /// (their normalised rows are zero, so they add nothing through the fusion).
+    pub fn own_state_input(&self, state: Tensor<2>) -> Tensor<2> {
+        if self.mix_layers.is_empty() {
+            return state;
+        }
+        let [t, d] = state.dims();
+        let zeros = Tensor::<2>::zeros([t, self.mix_layers.len() * d], &state.device());
+        Tensor::cat(vec![zeros, state], 1)
     }
 
     /// The head's hidden state for `hidden: [t, hidden]` (block, then the output norm), with
@@ -402,6 +434,7 @@ impl LayerHead {
             norm: Param::from_tensor(model.final_norm().clone()),
             fuse,
             kind,
+            mix_layers: Vec::new(),
         };
         Self::from_weights(model, n, weights, subset)
     }
@@ -430,17 +463,25 @@ impl LayerHead {
         projection: Projection,
     ) -> Result<Self> {
         let d = model.config().hidden_size;
+        let width = (2 + weights.mix_layers.len()) * d;
         match (weights.kind, weights.fuse.as_ref().map(|f| f.val().dims())) {
-            (HeadKind::Lookahead, Some(dims)) if dims == [d, 2 * d] => {}
-            (HeadKind::Layer | HeadKind::Adapter, None) => {}
+            (HeadKind::Lookahead, Some(dims)) if dims == [d, width] => {}
+            (HeadKind::Layer | HeadKind::Adapter, None) if weights.mix_layers.is_empty() => {}
             (kind, dims) => {
                 return Err(ModelError::InvalidArgument(format!(
-                    "a `{}` head with input fusion {dims:?} (a lookahead head needs [{d}, {}], \
-                     the others none)",
+                    "a `{}` head with input fusion {dims:?} and mix layers {:?} (a lookahead \
+                     head needs [{d}, {width}], the others neither)",
                     kind.name(),
-                    2 * d
+                    weights.mix_layers
                 )));
             }
+        }
+        let ascending = weights.mix_layers.windows(2).all(|w| w[0] < w[1]);
+        if !ascending || weights.mix_layers.iter().any(|&l| l == 0 || l >= n) {
+            return Err(ModelError::InvalidArgument(format!(
+                "mix layers {:?} for a head at layer {n} (ascending, each in 1..{n})",
+                weights.mix_layers
+            )));
         }
         if n == 0 || n > weights.kind.last_exit_layer(model.num_layers()) {
             return Err(ModelError::InvalidArgument(format!(
@@ -538,6 +579,45 @@ impl LayerHead {
         Ok(deeper)
     }
 
+    /// This lookahead head reading the states of `layers` too (ascending, each below its layer
+    /// N; it must read none yet): its fusion gains a zero block of columns per layer, so it
+    /// drafts exactly as before until training moves them. For training a mixed head from a
+    /// trained one (`train_exit_head --init-head H --mix-layers 10,20`).
+    pub fn with_mix_layers(self, model: &Llama, layers: &[usize]) -> Result<Self> {
+        if layers.is_empty() {
+            return Ok(self);
+        }
+        if self.weights.kind != HeadKind::Lookahead || !self.weights.mix_layers.is_empty() {
+            return Err(ModelError::InvalidArgument(format!(
+                "mix layers {layers:?} for a `{}` head reading layers {:?} (only a lookahead \
+                 head reading its layer N alone takes them)",
+                self.weights.kind.name(),
+                LookaheadHead::feature_layers(&self)
+            )));
+        }
+        let LayerHead {
+            mut weights,
+            exit_layer,
+            projection,
+            context_tokens,
+        } = self;
+        weights.drop_quantized();
+        if let Some(fuse) = weights.fuse.take() {
+            let fuse = fuse.val();
+            let [d, _] = fuse.dims();
+            let zeros = Tensor::<2>::zeros([d, layers.len() * d], &fuse.device());
+            weights.fuse = Some(Param::from_tensor(Tensor::cat(vec![fuse, zeros], 1)));
+        }
+        weights.mix_layers = layers.to_vec();
+        let quantized = projection.native.is_some();
+        let mut mixed = LayerHead::from_weights_with(model, exit_layer, weights, projection)?;
+        mixed.context_tokens = context_tokens;
+        if quantized {
+            mixed = mixed.with_q8_0_drafts()?;
+        }
+        Ok(mixed)
+    }
+
     /// Whole layer or adapter.
     pub fn kind(&self) -> HeadKind {
         self.weights.kind
@@ -630,8 +710,10 @@ impl LayerHeadCache {
 impl LookaheadHead<Llama> for LayerHead {
     type Cache = LayerHeadCache;
 
-    fn feature_layer(&self) -> usize {
-        self.exit_layer
+    fn feature_layers(&self) -> Vec<usize> {
+        let mut layers = self.weights.mix_layers.clone();
+        layers.push(self.exit_layer);
+        layers
     }
 
     fn new_cache(&self, _: &Llama) -> LayerHeadCache {
@@ -669,7 +751,7 @@ impl LookaheadHead<Llama> for LayerHead {
                 self.normed(model, state.clone()),
                 &mut cache.context,
             )?,
-            state,
+            state: self.weights.own_state_input(state),
         })
     }
 

@@ -163,23 +163,34 @@ fn sampled_tree_speculation_draws_ars_tokens_from_the_same_seed() {
 }
 
 /// Trees with a lookahead head's drafts (an untrained one: only how often drafts land can
-/// change, never the tokens), reading a middle layer and the last one, and drafting three
-/// levels on its own state: the verification pass split at the head's layer keeps greedy
-/// output identical to AR on the real model.
+/// change, never the tokens), reading a middle layer, the last one, and the last one mixed with
+/// layers 2 and 15 (random mix columns), and drafting three levels on its own state: the
+/// verification pass split at the layers the head reads keeps greedy output identical to AR
+/// on the real model.
 #[test]
 fn greedy_trees_with_a_lookahead_head_are_token_identical_to_ar() {
     let m = model();
     let layers = m.model.num_layers();
     let vocab = m.model.config().vocab_size;
     let mut ar_gen = Generator::new(&m.model);
-    let heads: Vec<LayerHead> = [6, layers]
-        .iter()
-        .map(|&n| {
-            LayerHead::from_model(&m.model, HeadKind::Lookahead, n, n.min(layers - 1), None)
-                .unwrap()
-        })
-        .collect();
-    let runs: Vec<(&LayerHead, usize)> = vec![(&heads[0], 1), (&heads[1], 1), (&heads[1], 3)];
+    let head = |n: usize| {
+        LayerHead::from_model(&m.model, HeadKind::Lookahead, n, n.min(layers - 1), None).unwrap()
+    };
+    let mut mixed = head(layers)
+        .with_mix_layers(&m.model, &[2, 15])
+        .unwrap()
+        .into_weights();
+    let fuse = mixed.fuse.take().unwrap().val();
+    let noise = fuse.random_like(burn::tensor::Distribution::Normal(0.0, 0.05));
+    mixed.fuse = Some(burn::module::Param::from_tensor(fuse + noise));
+    let mixed = LayerHead::from_weights(&m.model, layers, mixed, None).unwrap();
+    let heads: Vec<LayerHead> = vec![head(6), head(layers), mixed];
+    let runs: Vec<(&LayerHead, usize)> = vec![
+        (&heads[0], 1),
+        (&heads[1], 1),
+        (&heads[1], 3),
+        (&heads[2], 3),
+    ];
     let mut gens: Vec<_> = runs
         .iter()
         .map(|&(head, levels)| {
@@ -203,10 +214,10 @@ fn greedy_trees_with_a_lookahead_head_are_token_identical_to_ar() {
             assert_eq!(
                 out.tokens,
                 ar.tokens,
-                "question {} ({}), head at layer {}, {levels} levels",
+                "question {} ({}), head reading layers {:?}, {levels} levels",
                 q.question_id,
                 q.category,
-                eesd_core::LookaheadHead::feature_layer(head)
+                eesd_core::LookaheadHead::feature_layers(head)
             );
         }
     }

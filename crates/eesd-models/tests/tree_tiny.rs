@@ -265,10 +265,23 @@ fn context_limits_and_stop_tokens_end_tree_generation_as_in_ar() {
     );
 }
 
-/// A random lookahead head of `model` reading layer `n` (any head serves: only drafts change).
-fn lookahead_head(model: &Llama, n: usize) -> LayerHead {
+/// A random lookahead head of `model` reading layer `n` (any head serves: only drafts change)
+/// and the layers `mix` before it, whose columns of the fusion are random too (so that they
+/// move the drafts).
+fn lookahead_head(model: &Llama, n: usize, mix: &[usize]) -> LayerHead {
     let init = n.min(model.num_layers() - 1);
-    LayerHead::from_model(model, HeadKind::Lookahead, n, init, None).unwrap()
+    let head = LayerHead::from_model(model, HeadKind::Lookahead, n, init, None)
+        .unwrap()
+        .with_mix_layers(model, mix)
+        .unwrap();
+    if mix.is_empty() {
+        return head;
+    }
+    let mut weights = head.into_weights();
+    let fuse = weights.fuse.take().unwrap().val();
+    let noise = fuse.random_like(burn::tensor::Distribution::Normal(0.0, 0.05));
+    weights.fuse = Some(burn::module::Param::from_tensor(fuse + noise));
+    LayerHead::from_weights(model, n, weights, None).unwrap()
 }
 
 /// Lookahead heads in trees, at a middle and at the last layer, drafting one level or three,
@@ -288,8 +301,8 @@ fn greedy_trees_with_a_lookahead_head_equal_ar() {
             ..Default::default()
         };
         let ar = generate(&model, None, &PROMPT, &ar_config);
-        for n in [1, layers] {
-            let head = lookahead_head(&model, n);
+        for (n, mix) in [(1, vec![]), (layers, vec![]), (layers, vec![1, layers - 1])] {
+            let head = lookahead_head(&model, n, &mix);
             for budget in [1, 4, 16] {
                 let config = GenerationConfig {
                     mode: Mode::Tree,
@@ -302,7 +315,7 @@ fn greedy_trees_with_a_lookahead_head_equal_ar() {
                     let out = generate(&model, Some(Box::new(d)), &PROMPT, &config);
                     assert_eq!(
                         out.tokens, ar.tokens,
-                        "seed {seed}, layer {n}, {inner}@{budget}, {levels} levels"
+                        "seed {seed}, layer {n} mixing {mix:?}, {inner}@{budget}, {levels} levels"
                     );
                 }
             }
@@ -315,7 +328,7 @@ fn greedy_trees_with_a_lookahead_head_equal_ar() {
             ..Default::default()
         };
         let ar = generate(&model, None, &prompt, &long);
-        let head = lookahead_head(&model, layers);
+        let head = lookahead_head(&model, layers, &[2]);
         let d = HeadDrafter::new(
             &model,
             &head,
@@ -369,8 +382,8 @@ impl<D: Drafter> Drafter for Recorder<D> {
         self.draws.borrow_mut().push(round);
         self.inner.drawn(tree, rows, distributions)
     }
-    fn feature_layer(&self) -> Option<usize> {
-        self.inner.feature_layer()
+    fn feature_layers(&self) -> Vec<usize> {
+        self.inner.feature_layers()
     }
     fn features(
         &mut self,
@@ -394,8 +407,8 @@ impl<D: Drafter> Drafter for Recorder<D> {
 fn a_lookahead_head_sees_every_committed_position_once_in_order() {
     let model = tiny_quantized(4);
     let (vocab, layers) = (model.config().vocab_size, model.num_layers());
-    for n in [1, layers] {
-        let head = lookahead_head(&model, n);
+    for (n, mix) in [(1, vec![]), (layers, vec![]), (layers, vec![1, 2])] {
+        let head = lookahead_head(&model, n, &mix);
         let seen = std::rc::Rc::default();
         let recorder = Recorder {
             inner: HeadDrafter::new(
@@ -417,15 +430,16 @@ fn a_lookahead_head_sees_every_committed_position_once_in_order() {
         let (states, next) = seen.take();
         assert!(next.len() > PROMPT.len(), "{} positions", next.len());
         assert_eq!(next[..], sequence[1..=next.len()], "layer {n}");
+        // The states after each layer read, side by side.
         let mut cache = model.new_cache();
-        let expected = model
-            .forward_layers(
-                model.embed(&sequence[..next.len()]).unwrap(),
-                0..n,
-                &mut cache,
-            )
-            .unwrap();
-        let expected = to_rows(expected);
+        let mut x = model.embed(&sequence[..next.len()]).unwrap();
+        let (mut done, mut kept) = (0, Vec::new());
+        for &l in mix.iter().chain([&n]) {
+            x = model.forward_layers(x, done..l, &mut cache).unwrap();
+            kept.push(x.clone());
+            done = l;
+        }
+        let expected = to_rows(burn::tensor::Tensor::cat(kept, 1));
         assert_eq!(states.len(), expected.len(), "layer {n}");
         for (i, (seen, want)) in states.iter().zip(&expected).enumerate() {
             assert_rows_match(seen, want, &format!("layer {n}, position {i}"));
@@ -496,7 +510,7 @@ fn sampled_rounds_show_the_drafter_each_draw() {
 fn tree_sampling_with_a_lookahead_head_has_the_ar_distribution() {
     let model = tiny(5);
     let vocab = model.config().vocab_size;
-    let head = lookahead_head(&model, model.num_layers());
+    let head = lookahead_head(&model, model.num_layers(), &[1]);
     let base = GenerationConfig {
         tree_budget: 12,
         ..Default::default()
@@ -526,9 +540,11 @@ fn a_head_drafting_from_q8_0_copies_keeps_trees_lossless() {
     let model = tiny(0);
     let vocab = model.config().vocab_size;
     let layers = model.num_layers();
-    let dense = lookahead_head(&model, layers);
+    let dense = lookahead_head(&model, layers, &[]);
     assert_eq!(dense.weights().layer.native.bytes(), 0);
-    let q8 = lookahead_head(&model, layers).with_q8_0_drafts().unwrap();
+    let q8 = lookahead_head(&model, layers, &[])
+        .with_q8_0_drafts()
+        .unwrap();
     // Other backends keep drafting from the dense weights (documented); trees stay lossless.
     assert_eq!(q8.weights().layer.native.bytes() > 0, on_flex());
     // Same draft, up to Q8_0 rounding, from the same states.

@@ -375,7 +375,7 @@ impl OwnStatePasses {
         }
         let device = state.device();
         let input = weights.fused_input(
-            state.select(0, index(read.into_iter(), &device)),
+            weights.own_state_input(state.select(0, index(read.into_iter(), &device))),
             next.clone()
                 .select(0, index(rows.into_iter(), &next.device())),
             config.rms_norm_eps,
@@ -764,6 +764,14 @@ impl<'m> Distiller<'m> {
         })
     }
 
+    /// The layers whose states the head reads, so the frozen model's pass must keep them: its
+    /// exit layer, after the earlier layers a mixing lookahead head reads too.
+    pub fn teacher_layers(&self) -> Vec<usize> {
+        let mut layers = self.weights.mix_layers.clone();
+        layers.push(self.exit_layer);
+        layers
+    }
+
     /// Steps taken so far.
     pub fn step(&self) -> usize {
         self.step
@@ -804,7 +812,14 @@ impl<'m> Distiller<'m> {
     /// [`DistillConfig::levels`]). With `answers_only`, only the rows that predict answer tokens.
     fn students(&self, teacher: &Teacher, answers_only: bool, levels: usize) -> Result<Vec<Level>> {
         let c = self.model.config();
-        let hidden = teacher.hidden(self.exit_layer)?;
+        let hidden = match self.weights.mix_layers.is_empty() {
+            true => teacher.hidden(self.exit_layer)?,
+            false => {
+                let layers = self.teacher_layers();
+                let states = layers.iter().map(|&l| teacher.hidden(l));
+                Tensor::cat(states.collect::<Result<_>>()?, 1)
+            }
+        };
         let mut out = Vec::with_capacity(levels);
         match self.weights.kind {
             HeadKind::Lookahead => {
@@ -953,7 +968,7 @@ impl<'m> Distiller<'m> {
     /// One optimisation step on a batch of whole sequences, packed into one block (see
     /// [`pack`]); the loss is the mean over all their positions. Returns the loss.
     pub fn train_step(&mut self, batch: &[&[u32]]) -> Result<f64> {
-        let teacher = Teacher::new(self.model, batch, &[self.exit_layer])?;
+        let teacher = Teacher::new(self.model, batch, &self.teacher_layers())?;
         self.train_step_on(&teacher)
     }
 
@@ -1000,7 +1015,10 @@ impl<'m> Distiller<'m> {
     /// over the positions that predict answer tokens (a repeated system prompt is easy to predict
     /// and would flatter the head).
     pub fn evaluate(&self, sequences: &[Sequence], k: usize) -> Result<EvalMetrics> {
-        self.evaluate_set(&EvalSet::new(self.model, sequences, &[self.exit_layer])?, k)
+        self.evaluate_set(
+            &EvalSet::new(self.model, sequences, &self.teacher_layers())?,
+            k,
+        )
     }
 
     /// [`Distiller::evaluate`] on sequences whose teacher passes are kept (the set must hold

@@ -34,6 +34,10 @@ pub struct TrainingState {
     /// Decoder layers in the head's block (states saved before deeper heads existed: 1).
     #[serde(default = "one_layer")]
     pub head_layers: usize,
+    /// Earlier layers a lookahead head reads beside its own (states saved before mixing heads
+    /// existed: none).
+    #[serde(default)]
+    pub mix_layers: Vec<usize>,
     /// Draft vocabulary subset, if reduced.
     pub vocab_subset: Option<Vec<u32>>,
     /// Width and depth of the model trained against (checked on resume).
@@ -133,6 +137,7 @@ impl<'m> Distiller<'m> {
             exit_layer: self.exit_layer,
             head_kind: self.weights.kind,
             head_layers: self.weights.depth(),
+            mix_layers: self.weights.mix_layers.clone(),
             vocab_subset: self.subset.as_ref().map(|s| s.ids().to_vec()),
             hidden_size: c.hidden_size,
             num_layers: c.num_layers,
@@ -179,7 +184,8 @@ impl<'m> Distiller<'m> {
             state.exit_layer.min(state.num_layers - 1),
             subset.as_ref(),
         )?
-        .deepened(model, state.head_layers.saturating_sub(1))?;
+        .deepened(model, state.head_layers.saturating_sub(1))?
+        .with_mix_layers(model, &state.mix_layers)?;
         let mut distiller = Distiller::new(model, template, state.config.clone())?;
         let dir = prefix.parent().unwrap_or(Path::new(""));
         let head_path = dir.join(&state.head_file);

@@ -707,15 +707,16 @@ fn packing_keeps_order_and_the_token_budget() {
 #[test]
 fn a_resumed_run_continues_exactly() {
     for kind in [HeadKind::Layer, HeadKind::Adapter, HeadKind::Lookahead] {
-        a_resumed_run_continues_exactly_for(kind, 0);
+        a_resumed_run_continues_exactly_for(kind, 0, &[]);
     }
-    // Heads of two layers resume with both.
+    // Heads of two layers resume with both; a lookahead head with its mix layers.
     for kind in [HeadKind::Layer, HeadKind::Lookahead] {
-        a_resumed_run_continues_exactly_for(kind, 1);
+        a_resumed_run_continues_exactly_for(kind, 1, &[]);
     }
+    a_resumed_run_continues_exactly_for(HeadKind::Lookahead, 0, &[1]);
 }
 
-fn a_resumed_run_continues_exactly_for(kind: HeadKind, extra_layers: usize) {
+fn a_resumed_run_continues_exactly_for(kind: HeadKind, extra_layers: usize, mix: &[usize]) {
     let model = tiny(26);
     let data = self_generated(&model, 4, 10);
     let subset = VocabSubset::new((0..200).collect(), 259).unwrap();
@@ -728,6 +729,7 @@ fn a_resumed_run_continues_exactly_for(kind: HeadKind, extra_layers: usize) {
     let start = || {
         let head = LayerHead::from_model(&model, kind, 2, 2, Some(&subset)).unwrap();
         let head = head.deepened(&model, extra_layers).unwrap();
+        let head = head.with_mix_layers(&model, mix).unwrap();
         Distiller::new(&model, head, config.clone()).unwrap()
     };
     let step = |d: &mut Distiller, i: usize| d.train_step(&[&data[i % data.len()].tokens]);
@@ -876,12 +878,46 @@ fn a_head_from_a_quantized_model_trains_all_its_weights() {
         norm: burn::module::Param::from_tensor(model.final_norm().clone()),
         fuse: None,
         kind: HeadKind::Layer,
+        mix_layers: Vec::new(),
     };
     let head = LayerHead::from_weights(&model, 2, shared, None).unwrap();
     assert!(matches!(
         Distiller::new(&model, head, DistillConfig::default()),
         Err(TrainError::InvalidConfig(_))
     ));
+}
+
+/// A lookahead head mixing earlier layers' states learns their columns of its fusion (which
+/// start at zero), on the model's states and, drafting deeper, on its own; the teacher's pass
+/// must keep those layers.
+#[test]
+fn a_mixing_lookahead_head_learns_its_mix_columns() {
+    let model = tiny(28);
+    let (layers, d) = (model.num_layers(), model.config().hidden_size);
+    let data = self_generated(&model, 4, 10);
+    let batch = [data[0].tokens.as_slice(), data[1].tokens.as_slice()];
+    let head = LayerHead::from_model(&model, HeadKind::Lookahead, layers, layers - 1, None)
+        .unwrap()
+        .with_mix_layers(&model, &[1, 2])
+        .unwrap();
+    let config = DistillConfig {
+        levels: 2,
+        warmup_steps: 0,
+        ..Default::default()
+    };
+    let mut distiller = Distiller::new(&model, head, config).unwrap();
+    assert_eq!(distiller.teacher_layers(), vec![1, 2, layers]);
+    let without_mix = eesd_train::Teacher::new(&model, &batch, &[layers]).unwrap();
+    assert!(distiller.train_step_on(&without_mix).is_err());
+    for _ in 0..3 {
+        let loss = distiller.train_step(&batch).unwrap();
+        assert!(loss.is_finite() && loss > 0.0, "{loss}");
+    }
+    let head = distiller.into_head().unwrap();
+    assert_eq!(head.feature_layers(), vec![1, 2, layers]);
+    let fuse = head.weights().fuse.as_ref().unwrap().val();
+    let mix = values(fuse.narrow(1, 2 * d, 2 * d));
+    assert!(mix.iter().any(|&v| v != 0.0), "the mix columns trained");
 }
 
 /// A lookahead head may read the last layer; it trains, saves and loads there, drafts only
@@ -906,7 +942,7 @@ fn a_lookahead_head_reads_the_last_layer_and_refuses_chains() {
     save_layer_head(&prefix, &head, &meta, false).unwrap();
     let (loaded, _) = load_layer_head(&prefix, &model, None).unwrap();
     assert_eq!(loaded.kind(), HeadKind::Lookahead);
-    assert_eq!(loaded.feature_layer(), layers);
+    assert_eq!(loaded.feature_layers(), vec![layers]);
     let diff = max_diff(&draft(&model, &loaded, &tokens), &reference);
     assert!(diff < 1e-4, "{diff}");
 

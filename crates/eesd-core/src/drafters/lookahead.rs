@@ -147,8 +147,8 @@ impl<M: LayeredModel, H: LookaheadHead<M>, D: Drafter> Drafter for HeadDrafter<'
         self.inner.restore(state)
     }
 
-    fn feature_layer(&self) -> Option<usize> {
-        Some(self.head.feature_layer())
+    fn feature_layers(&self) -> Vec<usize> {
+        self.head.feature_layers()
     }
 
     fn features(&mut self, position: usize, hidden: Tensor<2>, next: &[u32]) -> Result<()> {
