@@ -113,7 +113,8 @@ pub enum HeadKind {
     /// about a quarter of a layer's weights, so drafting streams less memory per token.
     Adapter,
     /// EAGLE-style input: the layer-N state of a verified position and the embedding of the
-    /// token after it, each RMS-normalised and fused by a learnt `[hidden, 2·hidden]` matrix,
+    /// token after it, each RMS-normalised and fused by a learnt `[hidden, 2·hidden]` matrix
+    /// (wider for a head that also reads earlier layers, [`LayerHeadWeights::mix_layers`]),
     /// then a whole decoder layer; it drafts the token after next. Verification computes the
     /// layer-N states of every row anyway, so the first draft of a round costs only the head
     /// (no pass through layers `[0, N)` for the new root), and N may be the last layer.
