@@ -16,6 +16,7 @@ use sha2::{Digest, Sha256};
 
 use crate::cpu::PackedCache;
 use crate::error::{ModelError, Result};
+use crate::heads::mix_layers_fit;
 use crate::{
     DecoderLayer, HeadKind, LayerHead, LayerHeadWeights, Llama, MAX_HEAD_LAYERS, VocabSubset,
 };
@@ -290,9 +291,8 @@ pub fn load_layer_head(
     let kind = kind?;
     // Checked before the expected shapes are made from them (a hostile list could ask for a
     // fusion of any width).
-    let ascending = mix_layers.windows(2).all(|w| w[0] < w[1]);
-    let below = mix_layers.iter().all(|&l| l > 0 && l < meta.exit_layer);
-    if !mix_layers.is_empty() && (kind != HeadKind::Lookahead || !ascending || !below) {
+    let fits = mix_layers_fit(&mix_layers, meta.exit_layer);
+    if !mix_layers.is_empty() && (kind != HeadKind::Lookahead || !fits) {
         return Err(malformed(format!(
             "a `{}` head at layer {} mixing layers {mix_layers:?} (only a lookahead head mixes, \
              layers ascending below its own)",

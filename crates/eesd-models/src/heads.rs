@@ -204,6 +204,14 @@ impl LayerHeadWeights {
         matrices
     }
 
+    /// The model layers a head of these weights at exit layer `n` reads: the mix layers, then
+    /// `n` (what the tree loop hands a lookahead head and a teacher's pass must keep).
+    pub fn feature_layers(&self, n: usize) -> Vec<usize> {
+        let mut layers = self.mix_layers.clone();
+        layers.push(n);
+        layers
+    }
+
     /// Decoder layers in the head's block: 1 + [`LayerHeadWeights::deeper`]'s.
     pub fn depth(&self) -> usize {
         1 + self.deeper.len()
@@ -346,6 +354,13 @@ impl LayerHeadWeights {
     }
 }
 
+/// Whether `layers` may be the mix layers of a head at exit layer `n`: ascending, each in
+/// `1..n`. Checked for every head built from weights and, before any allocation, for a
+/// checkpoint's list.
+pub(crate) fn mix_layers_fit(layers: &[usize], n: usize) -> bool {
+    layers.windows(2).all(|w| w[0] < w[1]) && layers.iter().all(|&l| l > 0 && l < n)
+}
+
 /// The four weight matrices of a whole decoder layer.
 fn whole_layer_matrices(l: &DecoderLayer) -> Vec<&Param<Tensor<2>>> {
     vec![&l.wqkv, &l.wo, &l.w_gate_up, &l.w_down]
@@ -477,8 +492,7 @@ impl LayerHead {
                 )));
             }
         }
-        let ascending = weights.mix_layers.windows(2).all(|w| w[0] < w[1]);
-        if !ascending || weights.mix_layers.iter().any(|&l| l == 0 || l >= n) {
+        if !mix_layers_fit(&weights.mix_layers, n) {
             return Err(ModelError::InvalidArgument(format!(
                 "mix layers {:?} for a head at layer {n} (ascending, each in 1..{n})",
                 weights.mix_layers
@@ -712,9 +726,7 @@ impl LookaheadHead<Llama> for LayerHead {
     type Cache = LayerHeadCache;
 
     fn feature_layers(&self) -> Vec<usize> {
-        let mut layers = self.weights.mix_layers.clone();
-        layers.push(self.exit_layer);
-        layers
+        self.weights.feature_layers(self.exit_layer)
     }
 
     fn new_cache(&self, _: &Llama) -> LayerHeadCache {

@@ -767,9 +767,7 @@ impl<'m> Distiller<'m> {
     /// The layers whose states the head reads, so the frozen model's pass must keep them: its
     /// exit layer, after the earlier layers a mixing lookahead head reads too.
     pub fn teacher_layers(&self) -> Vec<usize> {
-        let mut layers = self.weights.mix_layers.clone();
-        layers.push(self.exit_layer);
-        layers
+        self.weights.feature_layers(self.exit_layer)
     }
 
     /// Steps taken so far.
