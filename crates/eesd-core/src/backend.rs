@@ -78,7 +78,7 @@ impl Backend {
             }
             Backend::Vulkan => {
                 #[cfg(feature = "vulkan")]
-                return Ok(Device::vulkan(burn::tensor::DeviceKind::DefaultDevice));
+                return vulkan();
                 Err(missing("vulkan"))
             }
         }
@@ -113,6 +113,45 @@ fn libtorch_cuda() -> Result<Device, CoreError> {
                 reason: format!("{message} (build against a CUDA LibTorch, see docs/backends.md)"),
             })
         }
+    }
+}
+
+/// burn's Vulkan device, once the Vulkan loader has shown at least one device. burn's wgpu
+/// runtime looks for one only at the first tensor, on a thread of its own, and panics there when
+/// there is none (no Vulkan loader, no driver for the GPU, a headless machine): `--device vulkan`
+/// would abort the program. Asked here the same way (an instance limited to Vulkan, its
+/// adapters), the answer is kept for the process: the loader dislikes instances coming and going
+/// while the runtime creates its own.
+#[cfg(feature = "vulkan")]
+fn vulkan() -> Result<Device, CoreError> {
+    use burn::backend::wgpu::wgpu;
+    use std::task::{Context, Poll, Waker};
+    static ADAPTERS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let adapters = *ADAPTERS.get_or_init(|| {
+        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+            backends: wgpu::Backends::VULKAN,
+            ..wgpu::InstanceDescriptor::new_without_display_handle()
+        });
+        // Native wgpu enumerates at once: its future is ready at the first poll.
+        let mut listing = std::pin::pin!(instance.enumerate_adapters(wgpu::Backends::VULKAN));
+        match listing
+            .as_mut()
+            .poll(&mut Context::from_waker(Waker::noop()))
+        {
+            Poll::Ready(adapters) => Some(adapters.len()),
+            Poll::Pending => None,
+        }
+    });
+    match adapters {
+        Some(0) => Err(CoreError::Backend {
+            name: Backend::Vulkan.name().into(),
+            reason: "the Vulkan loader finds no device (install the GPU's Vulkan driver and \
+                     `libvulkan1`; `VK_DRIVER_FILES` names a driver's ICD file, see \
+                     docs/backends.md)"
+                .into(),
+        }),
+        // Some devices, or a listing that was not ready: the runtime picks one.
+        _ => Ok(Device::vulkan(burn::tensor::DeviceKind::DefaultDevice)),
     }
 }
 
@@ -153,6 +192,20 @@ mod tests {
         if !cuda_libtorch {
             let err = result.expect_err("a CPU-only LibTorch cannot give a CUDA device");
             assert!(err.to_string().contains("tch-cuda"), "{err}");
+        }
+    }
+
+    /// Without a Vulkan device (CI's machines), `vulkan` is an error, not a panic on the
+    /// runtime's thread at the first tensor; with one, a tensor goes there and back.
+    #[cfg(feature = "vulkan")]
+    #[test]
+    fn vulkan_without_a_device_is_an_error() {
+        match Backend::Vulkan.device() {
+            Ok(device) => {
+                let data = burn::tensor::Tensor::<1>::from_floats([1.0, 2.0], &device).into_data();
+                assert_eq!(data.try_to_vec::<f32>().unwrap(), vec![1.0, 2.0]);
+            }
+            Err(err) => assert!(err.to_string().contains("finds no device"), "{err}"),
         }
     }
 
