@@ -330,7 +330,7 @@ mod tests {
     /// prompt grows past its capacity without copying positions it no longer holds.
     #[test]
     fn a_truncated_cache_grows_for_a_longer_prompt() {
-        let device = Device::default();
+        let device = crate::testing::test_device().unwrap();
         let mut cache = LayerCache::new();
         cache
             .append(
@@ -360,7 +360,7 @@ mod tests {
     /// positions (rounded once to f16 where a store holds f16).
     #[test]
     fn host_stores_convert_between_dtypes_and_tensors() {
-        let device = Device::default();
+        let device = crate::testing::test_device().unwrap();
         let (heads, t, dim) = (2, 5, 16);
         let fine = |base: f32| -> Vec<f32> {
             (0..heads * t * dim)
@@ -413,7 +413,7 @@ mod tests {
 
     #[test]
     fn appending_nothing_is_an_error_not_a_panic() {
-        let device = Device::default();
+        let device = crate::testing::test_device().unwrap();
         let mut cache = LayerCache::new();
         let empty = || Tensor::<3>::zeros([2, 0, 4], &device);
         assert!(matches!(

@@ -198,8 +198,8 @@ fn tiny_model() -> Option<Llama> {
     load_gguf_bytes(crate::testing::tiny_quantized_gguf_bytes(&config, 7))
 }
 
-/// A model from GGUF bytes made by [`crate::testing`], on the default device; `None` if they do
-/// not load.
+/// A model from GGUF bytes made by [`crate::testing`], on the targets' device; `None` if they
+/// do not load.
 pub fn load_gguf_bytes(bytes: Vec<u8>) -> Option<Llama> {
     let file = GgufFile::from_bytes(bytes).ok()?;
     LoadedModel::from_gguf(file, "tiny.gguf", &device(), &LoadOptions::default())
@@ -207,8 +207,11 @@ pub fn load_gguf_bytes(bytes: Vec<u8>) -> Option<Llama> {
         .map(|loaded| loaded.model)
 }
 
+/// The tests' device (flex unless `EESD_TEST_BACKEND` names another), never burn's
+/// `Device::default()`, which is a GPU runtime whenever one is compiled in. A bad
+/// `EESD_TEST_BACKEND` is the harness's setting, not a fuzzed input: it stops the run.
 fn device() -> Device {
-    Device::default()
+    crate::testing::test_device().expect("EESD_TEST_BACKEND names a compiled backend")
 }
 
 /// Vocabulary of the drafters a fuzzed drafter state is restored into.

@@ -64,7 +64,7 @@ fn multi_file_inputs_split_where_they_were_joined() {
 /// renders), so the fuzzer starts from deep inside the parsers.
 #[test]
 fn seeds_load() {
-    let device = Default::default();
+    let device = eesd_models::testing::test_device().unwrap();
     for (name, bytes) in fuzz::seeds("gguf", None).unwrap() {
         let file = eesd_models::GgufFile::from_bytes(bytes).unwrap();
         let loaded = eesd_models::LoadedModel::from_gguf(file, &name, &device, &Default::default());

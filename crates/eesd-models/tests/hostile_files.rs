@@ -68,16 +68,26 @@ fn a_context_the_file_does_not_justify_is_refused() {
         w.tensor_f32(name.gguf(), &t.shape, &t.values);
     }
     let file = GgufFile::from_bytes(w.to_bytes()).unwrap();
-    let err = LoadedModel::from_gguf(file, "x.gguf", &Default::default(), &Default::default())
-        .unwrap_err();
+    let err = LoadedModel::from_gguf(
+        file,
+        "x.gguf",
+        &testing::test_device().unwrap(),
+        &Default::default(),
+    )
+    .unwrap_err();
     assert!(matches!(err, ModelError::InvalidConfig(_)), "{err}");
     // So is a layer count from the metadata that no tensors back.
     let mut w = GgufWriter::new();
     testing::gguf_metadata(&mut w, &testing::tiny_config());
     w.metadata("llama.block_count", GgufValue::U64(u64::MAX >> 1));
     let file = GgufFile::from_bytes(w.to_bytes()).unwrap();
-    let err = LoadedModel::from_gguf(file, "x.gguf", &Default::default(), &Default::default())
-        .unwrap_err();
+    let err = LoadedModel::from_gguf(
+        file,
+        "x.gguf",
+        &testing::test_device().unwrap(),
+        &Default::default(),
+    )
+    .unwrap_err();
     assert!(matches!(err, ModelError::MissingTensor(_)), "{err}");
 }
 
@@ -92,8 +102,12 @@ fn an_index_naming_files_outside_its_folder_is_refused() {
             index.to_string(),
         )
         .unwrap();
-        let err = LoadedModel::load_hf_dir(dir.path(), &Default::default(), &Default::default())
-            .unwrap_err();
+        let err = LoadedModel::load_hf_dir(
+            dir.path(),
+            &testing::test_device().unwrap(),
+            &Default::default(),
+        )
+        .unwrap_err();
         assert!(
             matches!(&err, ModelError::Malformed(m) if m.contains("not a file name")),
             "{shard}: {err}"
@@ -125,8 +139,12 @@ fn devices_and_empty_files_are_refused_without_reading_them() {
     testing::write_tiny_hf_dir(dir.path(), &testing::tiny_config(), 1).unwrap();
     std::fs::remove_file(dir.path().join("config.json")).unwrap();
     std::os::unix::fs::symlink("/dev/zero", dir.path().join("config.json")).unwrap();
-    let err =
-        LoadedModel::load_hf_dir(dir.path(), &Default::default(), &Default::default()).unwrap_err();
+    let err = LoadedModel::load_hf_dir(
+        dir.path(),
+        &testing::test_device().unwrap(),
+        &Default::default(),
+    )
+    .unwrap_err();
     assert!(matches!(err, ModelError::Io { .. }), "{err}");
 }
 

@@ -15,7 +15,8 @@ const MODES: [Mode; 3] = [Mode::Ar, Mode::Eesd, Mode::Tree];
 fn tiny() -> LoadedModel {
     let bytes = testing::tiny_gguf_bytes(&testing::tiny_config(), 21);
     let file = GgufFile::from_bytes(bytes).unwrap();
-    LoadedModel::from_gguf(file, "tiny.gguf", &Default::default(), &Default::default()).unwrap()
+    let device = testing::test_device().unwrap();
+    LoadedModel::from_gguf(file, "tiny.gguf", &device, &Default::default()).unwrap()
 }
 
 fn generate(
