@@ -23,9 +23,11 @@ profile=-O
 [ "${FUZZ_QUICK_BUILD:-0}" = 1 ] && profile=-D
 
 cargo fuzz --version >/dev/null 2>&1 || cargo install cargo-fuzz --version 0.13.2 --locked
-# EESD_FEATURES: the features the caller already built with (scripts/test.sh), so the seed
-# writer reuses that build.
-cargo run --release --features "${EESD_FEATURES:-train}" --example fuzz_seeds -- fuzz/corpus >/dev/null
+# EESD_FEATURES: the features the caller already built the workspace with (scripts/test.sh), so
+# the seed writer reuses that build (`--workspace`: the same feature resolution as the tests'
+# build; the root package alone resolves features apart and compiles two crates again).
+cargo build --release --workspace --features "${EESD_FEATURES:-train}" --example fuzz_seeds
+"${CARGO_TARGET_DIR:-target}"/release/examples/fuzz_seeds fuzz/corpus >/dev/null
 (cd fuzz && cargo fuzz build -s none "$profile")
 
 status=0
