@@ -73,7 +73,7 @@ impl Backend {
             }
             Backend::Cuda => {
                 #[cfg(feature = "cuda")]
-                return Ok(Device::cuda(0));
+                return cuda();
                 Err(missing("cuda"))
             }
             Backend::Vulkan => {
@@ -116,43 +116,46 @@ fn libtorch_cuda() -> Result<Device, CoreError> {
     }
 }
 
-/// burn's Vulkan device, once the Vulkan loader has shown at least one device. burn's wgpu
-/// runtime looks for one only at the first tensor, on a thread of its own, and panics there when
-/// there is none (no Vulkan loader, no driver for the GPU, a headless machine): `--device vulkan`
-/// would abort the program. Asked here the same way (an instance limited to Vulkan, its
-/// adapters), the answer is kept for the process: the loader dislikes instances coming and going
-/// while the runtime creates its own.
+/// Whether burn's runtime of `kind` finds a device on this machine, asked once per process.
+/// burn's CubeCL runtimes look for their device only at the first tensor, on a thread of their
+/// own, and panic there when there is none (no driver, no GPU, a headless machine): the program
+/// would abort. burn's own listing (`Device::enumerate`) asks the driver without opening a
+/// device and answers "none" where the driver library is missing; the answer is kept because
+/// drivers dislike instances coming and going while the runtime creates its own.
+#[cfg(any(feature = "vulkan", feature = "cuda"))]
+fn has_device(kind: burn::tensor::DeviceType, found: &'static std::sync::OnceLock<bool>) -> bool {
+    *found.get_or_init(|| !Device::enumerate(kind).is_empty())
+}
+
+/// burn's Vulkan device, once the Vulkan loader has shown at least one device ([`has_device`]).
 #[cfg(feature = "vulkan")]
 fn vulkan() -> Result<Device, CoreError> {
-    use burn::backend::wgpu::wgpu;
-    use std::task::{Context, Poll, Waker};
-    static ADAPTERS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let adapters = *ADAPTERS.get_or_init(|| {
-        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
-            backends: wgpu::Backends::VULKAN,
-            ..wgpu::InstanceDescriptor::new_without_display_handle()
-        });
-        // Native wgpu enumerates at once: its future is ready at the first poll.
-        let mut listing = std::pin::pin!(instance.enumerate_adapters(wgpu::Backends::VULKAN));
-        match listing
-            .as_mut()
-            .poll(&mut Context::from_waker(Waker::noop()))
-        {
-            Poll::Ready(adapters) => Some(adapters.len()),
-            Poll::Pending => None,
-        }
-    });
-    match adapters {
-        Some(0) => Err(CoreError::Backend {
-            name: Backend::Vulkan.name().into(),
-            reason: "the Vulkan loader finds no device (install the GPU's Vulkan driver and \
-                     `libvulkan1`; `VK_DRIVER_FILES` names a driver's ICD file, see \
-                     docs/backends.md)"
-                .into(),
-        }),
-        // Some devices, or a listing that was not ready: the runtime picks one.
-        _ => Ok(Device::vulkan(burn::tensor::DeviceKind::DefaultDevice)),
+    static FOUND: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if has_device(burn::tensor::DeviceType::Vulkan, &FOUND) {
+        return Ok(Device::vulkan(burn::tensor::DeviceKind::DefaultDevice));
     }
+    Err(CoreError::Backend {
+        name: Backend::Vulkan.name().into(),
+        reason: "the Vulkan loader finds no device (install the GPU's Vulkan driver and \
+                 `libvulkan1`; `VK_DRIVER_FILES` names a driver's ICD file, see \
+                 docs/backends.md)"
+            .into(),
+    })
+}
+
+/// burn's CUDA device 0, once the CUDA driver has shown at least one device ([`has_device`]).
+#[cfg(feature = "cuda")]
+fn cuda() -> Result<Device, CoreError> {
+    static FOUND: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if has_device(burn::tensor::DeviceType::Cuda, &FOUND) {
+        return Ok(Device::cuda(0));
+    }
+    Err(CoreError::Backend {
+        name: Backend::Cuda.name().into(),
+        reason: "the CUDA driver finds no device (`libcuda` missing or no NVIDIA GPU visible; \
+                 see docs/backends.md)"
+            .into(),
+    })
 }
 
 impl FromStr for Backend {
@@ -195,18 +198,34 @@ mod tests {
         }
     }
 
-    /// Without a Vulkan device (CI's machines), `vulkan` is an error, not a panic on the
-    /// runtime's thread at the first tensor; with one, a tensor goes there and back.
-    #[cfg(feature = "vulkan")]
-    #[test]
-    fn vulkan_without_a_device_is_an_error() {
-        match Backend::Vulkan.device() {
+    /// A GPU backend's device round-trips a tensor, or, without a device, is an error (not a
+    /// panic on the runtime's thread at the first tensor).
+    #[cfg(any(feature = "vulkan", feature = "cuda"))]
+    fn device_or_error(backend: Backend) {
+        match backend.device() {
             Ok(device) => {
                 let data = burn::tensor::Tensor::<1>::from_floats([1.0, 2.0], &device).into_data();
                 assert_eq!(data.try_to_vec::<f32>().unwrap(), vec![1.0, 2.0]);
             }
-            Err(err) => assert!(err.to_string().contains("finds no device"), "{err}"),
+            Err(err) => {
+                let text = err.to_string();
+                assert!(text.contains(backend.name()), "{text}");
+                assert!(text.contains("finds no device"), "{text}");
+            }
         }
+    }
+
+    /// CI's machines have no Vulkan device.
+    #[cfg(feature = "vulkan")]
+    #[test]
+    fn vulkan_without_a_device_is_an_error() {
+        device_or_error(Backend::Vulkan);
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn cuda_without_a_device_is_an_error() {
+        device_or_error(Backend::Cuda);
     }
 
     #[test]
