@@ -60,6 +60,7 @@ fn gguf_bounds() {
 
 #[test]
 fn a_context_the_file_does_not_justify_is_refused() {
+    let device = testing::test_device().unwrap();
     let mut config = testing::tiny_config();
     config.context_length = 1 << 40;
     let mut w = GgufWriter::new();
@@ -68,31 +69,20 @@ fn a_context_the_file_does_not_justify_is_refused() {
         w.tensor_f32(name.gguf(), &t.shape, &t.values);
     }
     let file = GgufFile::from_bytes(w.to_bytes()).unwrap();
-    let err = LoadedModel::from_gguf(
-        file,
-        "x.gguf",
-        &testing::test_device().unwrap(),
-        &Default::default(),
-    )
-    .unwrap_err();
+    let err = LoadedModel::from_gguf(file, "x.gguf", &device, &Default::default()).unwrap_err();
     assert!(matches!(err, ModelError::InvalidConfig(_)), "{err}");
     // So is a layer count from the metadata that no tensors back.
     let mut w = GgufWriter::new();
     testing::gguf_metadata(&mut w, &testing::tiny_config());
     w.metadata("llama.block_count", GgufValue::U64(u64::MAX >> 1));
     let file = GgufFile::from_bytes(w.to_bytes()).unwrap();
-    let err = LoadedModel::from_gguf(
-        file,
-        "x.gguf",
-        &testing::test_device().unwrap(),
-        &Default::default(),
-    )
-    .unwrap_err();
+    let err = LoadedModel::from_gguf(file, "x.gguf", &device, &Default::default()).unwrap_err();
     assert!(matches!(err, ModelError::MissingTensor(_)), "{err}");
 }
 
 #[test]
 fn an_index_naming_files_outside_its_folder_is_refused() {
+    let device = testing::test_device().unwrap();
     let dir = tempfile::tempdir().unwrap();
     testing::write_tiny_hf_dir(dir.path(), &testing::tiny_config(), 1).unwrap();
     for shard in ["../model.safetensors", "/etc/passwd", "a/../../b", ".."] {
@@ -102,12 +92,7 @@ fn an_index_naming_files_outside_its_folder_is_refused() {
             index.to_string(),
         )
         .unwrap();
-        let err = LoadedModel::load_hf_dir(
-            dir.path(),
-            &testing::test_device().unwrap(),
-            &Default::default(),
-        )
-        .unwrap_err();
+        let err = LoadedModel::load_hf_dir(dir.path(), &device, &Default::default()).unwrap_err();
         assert!(
             matches!(&err, ModelError::Malformed(m) if m.contains("not a file name")),
             "{shard}: {err}"
@@ -117,6 +102,7 @@ fn an_index_naming_files_outside_its_folder_is_refused() {
 
 #[test]
 fn devices_and_empty_files_are_refused_without_reading_them() {
+    let device = testing::test_device().unwrap();
     // `/dev/zero` would be read until memory ran out; a directory where a file is expected.
     let dir = tempfile::tempdir().unwrap();
     for path in [std::path::Path::new("/dev/zero"), dir.path()] {
@@ -139,12 +125,7 @@ fn devices_and_empty_files_are_refused_without_reading_them() {
     testing::write_tiny_hf_dir(dir.path(), &testing::tiny_config(), 1).unwrap();
     std::fs::remove_file(dir.path().join("config.json")).unwrap();
     std::os::unix::fs::symlink("/dev/zero", dir.path().join("config.json")).unwrap();
-    let err = LoadedModel::load_hf_dir(
-        dir.path(),
-        &testing::test_device().unwrap(),
-        &Default::default(),
-    )
-    .unwrap_err();
+    let err = LoadedModel::load_hf_dir(dir.path(), &device, &Default::default()).unwrap_err();
     assert!(matches!(err, ModelError::Io { .. }), "{err}");
 }
 
