@@ -21,6 +21,7 @@ use std::cell::RefCell;
 
 use super::huge_pages::HugeBuf;
 use super::isa::Isa;
+use super::l1::l1_data_bytes;
 use super::lanes::sealed::Kind;
 use super::lanes::{Lanes, Soft, WeightElement};
 use super::pool::{Disjoint, Pool};
@@ -525,6 +526,16 @@ const SERIAL_FOLDS: usize = 64;
 /// row of the tile adds them.
 const VALUE_CHUNK: usize = 64;
 
+/// How far ahead of the value row being summed the kernel asks for value rows into L1, in
+/// bytes: a quarter of the L1 data cache. The cache's rows come from memory (or another core's
+/// cache) after each layer's weights, and the hardware prefetchers alone left a step's
+/// attention at ≈ 25 GB/s (SmolLM2 at 1,000 cached positions, f16: one row 0.91 → 0.68 ms with
+/// the value and key prefetches on a Zen 5 EPYC, 16 rows −15–20%; 4–16 KiB ahead alike for
+/// f16, 12–16 KiB best for f32; docs/results.md).
+fn value_ahead() -> usize {
+    l1_data_bytes() / 4
+}
+
 /// Floats per chunk partial `[values (d), maximum, sum]`, padded to whole cache lines so that
 /// every partial's values start on one.
 fn part_len(d: usize) -> usize {
@@ -533,6 +544,9 @@ fn part_len(d: usize) -> usize {
 
 /// Floats per cache line.
 const LINE_FLOATS: usize = 16;
+
+/// Bytes per cache line.
+const LINE_BYTES: usize = 64;
 
 /// `len` floats of `buf` (grown as needed) that start on a 64-byte boundary: 512-bit loads
 /// and stores of whole rows then never straddle two cache lines (keys, values and scratch
@@ -891,8 +905,21 @@ unsafe fn chunk<V: Lanes, E: WeightElement, const G: usize, const T: usize, cons
                 V::prefetch_l2(first.add(line));
             }
         }
+        // The key blocks after each tile, up to the furthest row's last (into the next chunk,
+        // which this task or another reads next), are asked for while the tile is scored: into
+        // L1 where a tile is small beside it, else into L2.
+        let last_block = (0..n)
+            .map(|i| job.contiguous(i))
+            .max()
+            .unwrap_or(0)
+            .div_ceil(lanes);
+        let to_l1 = T * block_stride * size_of::<E>() <= l1_data_bytes() / 4;
         let mut block = lo / lanes;
         while block * lanes < end {
+            let mut ahead = Ahead {
+                blocks: last_block.saturating_sub(block + T).min(T),
+                to_l1,
+            };
             for i in 0..n {
                 let count = stored(i).div_ceil(lanes).saturating_sub(block).min(T);
                 if count == 0 {
@@ -902,7 +929,9 @@ unsafe fn chunk<V: Lanes, E: WeightElement, const G: usize, const T: usize, cons
                     keys.add(block * block_stride),
                     row_s(i).add(block * lanes - lo),
                 );
-                score_blocks::<V, E, G, T>(row_q(i), d, k, block_stride, s, CHUNK, count);
+                score_blocks::<V, E, G, T>(row_q(i), d, k, block_stride, s, CHUNK, count, ahead);
+                // The first row to score the tile asks for the next one.
+                ahead.blocks = 0;
             }
             block += T;
         }
@@ -914,7 +943,8 @@ unsafe fn chunk<V: Lanes, E: WeightElement, const G: usize, const T: usize, cons
                 let o = own.as_mut_ptr().add(i * G * span);
                 let count = (job.first + job.r0 + i + 1).div_ceil(lanes) - base;
                 let k = keys.add(base * block_stride);
-                score_blocks::<V, E, G, T>(row_q(i), d, k, block_stride, o, span, count);
+                let none = Ahead::NONE;
+                score_blocks::<V, E, G, T>(row_q(i), d, k, block_stride, o, span, count, none);
                 for h in 0..G {
                     for p in stored(i)..hi(i) {
                         let row = job.store_row(i, p);
@@ -957,6 +987,7 @@ unsafe fn chunk<V: Lanes, E: WeightElement, const G: usize, const T: usize, cons
             values,
             width,
             head: parts.head,
+            stored: last_block * lanes,
         };
         let cols = d / lanes;
         // A single row gains nothing from value chunks: one pass over its positions.
@@ -1033,10 +1064,26 @@ unsafe fn score_tile<V: Lanes, E: WeightElement, const G: usize, const T: usize>
     block_stride: usize,
     scores: *mut f32,
     padded: usize,
+    ahead: Ahead,
 ) {
     unsafe {
         let mut acc = [[V::zero(); G]; T];
+        let next = keys.wrapping_add(T * block_stride);
+        let per_line = LINE_BYTES / size_of::<E>();
         for c in 0..d {
+            // One line of each of the next tile's blocks where this step starts a line of
+            // them (never dereferenced; prefetches do not fault).
+            if ahead.blocks > 0 && (c * V::WIDTH).is_multiple_of(per_line) {
+                for t in 0..ahead.blocks {
+                    let at = next
+                        .wrapping_add(t * block_stride + c * V::WIDTH)
+                        .cast::<u8>();
+                    match ahead.to_l1 {
+                        true => V::prefetch(at),
+                        false => V::prefetch_l2(at),
+                    }
+                }
+            }
             let mut qs = [V::zero(); G];
             for (h, q_h) in qs.iter_mut().enumerate() {
                 *q_h = V::splat(q.add(h * d + c));
@@ -1064,6 +1111,7 @@ unsafe fn score_tile<V: Lanes, E: WeightElement, const G: usize, const T: usize>
 /// # Safety
 /// As [`score_tile`], with `count` blocks at `keys` and room for their scores.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 unsafe fn score_blocks<V: Lanes, E: WeightElement, const G: usize, const T: usize>(
     q: *const f32,
     d: usize,
@@ -1072,37 +1120,57 @@ unsafe fn score_blocks<V: Lanes, E: WeightElement, const G: usize, const T: usiz
     scores: *mut f32,
     padded: usize,
     count: usize,
+    ahead: Ahead,
 ) {
     let mut t = 0;
     while t < count {
         let left = count - t;
+        // Only a whole tile asks for the next (a shorter one is a row's last).
+        let none = Ahead::NONE;
         // SAFETY: blocks t.. are among the `count` promised.
         unsafe {
             let (k, s) = (keys.add(t * block_stride), scores.add(t * V::WIDTH));
             t += if left >= T {
-                score_tile::<V, E, G, T>(q, d, k, block_stride, s, padded);
+                score_tile::<V, E, G, T>(q, d, k, block_stride, s, padded, ahead);
                 T
             } else if T >= 4 && left >= 4 {
-                score_tile::<V, E, G, 4>(q, d, k, block_stride, s, padded);
+                score_tile::<V, E, G, 4>(q, d, k, block_stride, s, padded, none);
                 4
             } else if T >= 2 && left >= 2 {
-                score_tile::<V, E, G, 2>(q, d, k, block_stride, s, padded);
+                score_tile::<V, E, G, 2>(q, d, k, block_stride, s, padded, none);
                 2
             } else {
-                score_tile::<V, E, G, 1>(q, d, k, block_stride, s, padded);
+                score_tile::<V, E, G, 1>(q, d, k, block_stride, s, padded, none);
                 1
             };
         }
     }
 }
 
+/// The key blocks a score tile asks for while it runs: `blocks` blocks after its own (at most
+/// its own count), into L1 (`to_l1`) or L2.
+#[derive(Clone, Copy)]
+struct Ahead {
+    blocks: usize,
+    to_l1: bool,
+}
+
+impl Ahead {
+    const NONE: Ahead = Ahead {
+        blocks: 0,
+        to_l1: false,
+    };
+}
+
 /// Where a value sum reads and writes: probabilities `probs: [G][CHUNK]` (indexed from the
-/// chunk's start), value rows `width` apart, and the heads' sums `head` apart.
+/// chunk's start), value rows `width` apart, and the heads' sums `head` apart; rows from
+/// `stored` on are not asked for ahead of time (past the sequences of the tile).
 struct ValueSums<E> {
     probs: *const f32,
     values: *const E,
     width: usize,
     head: usize,
+    stored: usize,
 }
 
 /// Whether two rows' value tiles (`2 · G · C` accumulators, `2 · G` broadcast probabilities
@@ -1146,8 +1214,19 @@ unsafe fn value_tile<
                 }
             }
         }
+        // Value rows [`value_ahead`] bytes on, this call's columns of them.
+        let row_bytes = width * size_of::<E>();
+        let ahead = value_ahead().div_ceil(row_bytes);
+        let lines = (C * V::WIDTH * size_of::<E>()).div_ceil(LINE_BYTES);
         for (p, row) in rows {
             let v_row = values.add(row * width + col * V::WIDTH);
+            if row + ahead < s[0].stored {
+                // (Never dereferenced; prefetches do not fault.)
+                let at = v_row.wrapping_add(ahead * width).cast::<u8>();
+                for line in 0..lines {
+                    V::prefetch(at.wrapping_add(line * LINE_BYTES));
+                }
+            }
             let mut weights = [[V::zero(); G]; R];
             for (weights, s) in weights.iter_mut().zip(s) {
                 for (h, w) in weights.iter_mut().enumerate() {
