@@ -456,9 +456,9 @@ pub fn attend<E: WeightElement>(
     PARTS.with_borrow_mut(|parts| {
         let parts = aligned_floats(parts, rows * nh * chunks * part);
         let parts_ptr = Disjoint(parts.as_mut_ptr());
-        // Runs of consecutive chunks per task (at least about eight tasks per thread): longer
-        // streams for the prefetchers, the same partials.
-        let run = (chunks * nkv * tiles / (8 * threads)).max(1);
+        // Runs of consecutive chunks per task ([`SPLIT_TASKS_PER_THREAD`]): longer streams
+        // for the prefetchers, the same partials.
+        let run = (chunks * nkv * tiles / (SPLIT_TASKS_PER_THREAD * threads)).max(1);
         let runs = chunks.div_ceil(run);
         pool.run(runs * nkv * tiles, &|task| {
             let (t, g, j) = (task % tiles, task / tiles % nkv, task / (tiles * nkv));
@@ -518,6 +518,15 @@ const MAX_TILE_ROWS: usize = 8;
 
 /// Most rows of a block whose chunks run as separate tasks (their partials are kept).
 const MAX_SPLIT_ROWS: usize = 64;
+
+/// About how many tasks per thread a block whose chunks run as tasks is cut into, as runs of
+/// consecutive chunks of one kv head. Few and long: a task then reads the key blocks and value
+/// rows its own prefetches asked for (the next chunk is its own), and the threads hand tasks
+/// over less often, which costs ≈ 0.4 µs a time between the core complexes of a Zen 5 EPYC.
+/// There, one row at 1,000 cached positions took 0.66–0.69 ms with about eight tasks per
+/// thread and 0.48 ms with three (vCPUs on one complex), 0.93 → 0.56–0.59 ms on two;
+/// one task per thread left a thread idle (3 kv heads on 2 threads): slower than eight.
+const SPLIT_TASKS_PER_THREAD: usize = 3;
 
 /// Most row chunks whose partials the calling thread folds alone.
 const SERIAL_FOLDS: usize = 64;
