@@ -535,13 +535,14 @@ const SERIAL_FOLDS: usize = 64;
 /// row of the tile adds them.
 const VALUE_CHUNK: usize = 64;
 
-/// How far ahead of the value row being summed the kernel asks for value rows into L1, in
-/// bytes: a quarter of the L1 data cache. The cache's rows come from memory (or another core's
-/// cache) after each layer's weights, and the hardware prefetchers alone left a step's
-/// attention at ≈ 25 GB/s (SmolLM2 at 1,000 cached positions, f16: one row 0.91 → 0.68 ms with
-/// the value and key prefetches on a Zen 5 EPYC, 16 rows −15–20%; 4–16 KiB ahead alike for
-/// f16, 12–16 KiB best for f32; docs/results.md).
-fn value_ahead() -> usize {
+/// How many bytes the kernel asks for into L1 ahead of what it reads: a quarter of the L1
+/// data cache. Value rows are asked for this far ahead of the row being summed; a key tile of
+/// at most this size asks for the next one into L1, a larger one into L2. The cache's rows
+/// come from memory (or another core's cache) after each layer's weights, and the hardware
+/// prefetchers alone left a step's attention at ≈ 25 GB/s (SmolLM2 at 1,000 cached positions,
+/// f16: one row 0.91 → 0.68 ms with the value and key prefetches on a Zen 5 EPYC, 16 rows
+/// −15–20%; 4–16 KiB ahead alike for f16, 12–16 KiB best for f32; docs/results.md).
+fn l1_ahead_bytes() -> usize {
     l1_data_bytes() / 4
 }
 
@@ -551,18 +552,18 @@ fn part_len(d: usize) -> usize {
     (d + 2).next_multiple_of(LINE_FLOATS)
 }
 
-/// Floats per cache line.
-const LINE_FLOATS: usize = 16;
-
 /// Bytes per cache line.
 const LINE_BYTES: usize = 64;
+
+/// Floats per cache line.
+const LINE_FLOATS: usize = LINE_BYTES / size_of::<f32>();
 
 /// `len` floats of `buf` (grown as needed) that start on a 64-byte boundary: 512-bit loads
 /// and stores of whole rows then never straddle two cache lines (keys, values and scratch
 /// aligned this way made blocks of 8–16 rows 5–18% faster on an Intel Xeon).
 fn aligned_floats(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
     buf.resize(len + LINE_FLOATS, 0.0);
-    let at = buf.as_ptr().align_offset(4 * LINE_FLOATS).min(LINE_FLOATS);
+    let at = buf.as_ptr().align_offset(LINE_BYTES).min(LINE_FLOATS);
     &mut buf[at..at + len]
 }
 
@@ -922,7 +923,7 @@ unsafe fn chunk<V: Lanes, E: WeightElement, const G: usize, const T: usize, cons
             .max()
             .unwrap_or(0)
             .div_ceil(lanes);
-        let to_l1 = T * block_stride * size_of::<E>() <= l1_data_bytes() / 4;
+        let to_l1 = T * block_stride * size_of::<E>() <= l1_ahead_bytes();
         let mut block = lo / lanes;
         while block * lanes < end {
             let mut ahead = Ahead {
@@ -1223,9 +1224,9 @@ unsafe fn value_tile<
                 }
             }
         }
-        // Value rows [`value_ahead`] bytes on, this call's columns of them.
+        // Value rows [`l1_ahead_bytes`] on, this call's columns of them.
         let row_bytes = width * size_of::<E>();
-        let ahead = value_ahead().div_ceil(row_bytes);
+        let ahead = l1_ahead_bytes().div_ceil(row_bytes);
         let lines = (C * V::WIDTH * size_of::<E>()).div_ceil(LINE_BYTES);
         for (p, row) in rows {
             let v_row = values.add(row * width + col * V::WIDTH);
