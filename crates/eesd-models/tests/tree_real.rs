@@ -92,8 +92,9 @@ fn greedy_tree_speculation_is_token_identical_to_ar_on_spec_bench() {
         }
     }
     // The drafters did draft: accepted tokens on the real model, not a silent AR fallback (each
-    // one accepted well over 100 drafts in six questions × 128 tokens).
-    let floor = 100 * identity_tokens() / 128;
+    // one accepted 30-81 drafts in six questions × 32 tokens, well over 100 at 128 tokens; the
+    // Thompson Sampling mix, which picks by measured speed, the fewest).
+    let floor = identity_tokens() / 2;
     for ((name, _), a) in gens.iter().zip(&accepted) {
         assert!(*a > floor, "{name} accepted only {a} drafts");
     }

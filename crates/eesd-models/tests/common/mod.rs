@@ -213,8 +213,8 @@ pub fn spec_bench(n: usize) -> Vec<Question> {
 }
 
 /// New tokens per prompt in the real-model identity tests (speculation against AR): 64 by
-/// default, which keeps CI's real-model tests near 8 minutes; `EESD_IDENTITY_TOKENS=128` (or
-/// more) for a longer run.
+/// default; `scripts/test.sh` (CI) sets `EESD_IDENTITY_TOKENS=32` to fit its time, and 128 (or
+/// more) makes a longer run.
 pub fn identity_tokens() -> usize {
     std::env::var("EESD_IDENTITY_TOKENS")
         .ok()
