@@ -18,8 +18,7 @@ cargo clippy --release --workspace --all-targets --features train,vulkan,fusion 
 if [ "${EESD_LINT_GPU_ONLY:-0}" = 1 ]; then
   cargo clippy --release --workspace --all-targets --no-default-features --features train,vulkan -- -D warnings
 fi
-# rustdoc on the first clippy pass's features and profile reuses its checked dependencies.
-RUSTDOCFLAGS="-D warnings" cargo doc --release --no-deps --workspace --features train,vulkan,fusion
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --workspace
 # LibTorch comes first so that one release build (flex and tch in the same binaries) serves the
 # flex tests, the examples, the fuzz seeds and the LibTorch tests: a second build with other burn
 # features cost CI 11 minutes.
