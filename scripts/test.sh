@@ -35,7 +35,7 @@ cargo test --release --workspace --features "$features" --no-run
 "${CARGO_TARGET_DIR:-target}"/release/examples/fetch_model
 # The real-model identity tests (speculation against AR on 20 Spec-Bench questions, in f32, f16,
 # bf16 and native weights, every drafter) at 32 new tokens per question: 64 (the tests' own
-# default) took 16 minutes on 2 cores, 32 take 10; EESD_IDENTITY_TOKENS=64 or more for a longer run.
+# default) took 16 minutes on 2 cores, 32 take 10; EESD_IDENTITY_TOKENS=64 or more runs longer.
 EESD_IDENTITY_TOKENS="${EESD_IDENTITY_TOKENS:-32}" cargo test --release --workspace --features "$features"
 # On request, every fuzz target for a short time from the seeds and the kept regressions (the
 # full campaign: docs/robustness.md), built on fuzz's quick profile.
