@@ -50,6 +50,21 @@ const LINE: usize = 64;
 /// --mb 800`: 16 rows 184 → 158 µs, 32 rows 267 → 231 µs; 1 and 8 rows alike).
 const FAR_STEPS: usize = 192;
 
+/// Blocks of at most this many rows with 16-bit weights take four panels at a time on
+/// AVX-512 (6 rows × 4 panels = 24 accumulators + 4 weight registers + a broadcast of 32). A
+/// step over two 16-bit panels reads one cache line where f32 reads two, for the same work per
+/// step (the broadcasts, the prefetch schedule, two FMA chains a row): on a 2-core Zen 4 EPYC
+/// one f16 row streamed its layers at ≈ 28 GB/s where f32 reached ≈ 38. Four panels per step,
+/// in the model (`block_cost`, alternated in one process): f16 one row −14–16% (10.0 → 8.5
+/// ms), 2–4 rows −3–16%, 5–6 rows −4–9%, bf16 alike; f32 level, so it keeps two. (AVX2, whose
+/// registers hold half a panel, gained nothing from four: its step already has 4 chains.)
+const WIDE_ROWS: usize = 6;
+
+/// Floats in the partial-sum scratch of a pass: `MAX_PASS_ROWS` rows of two panels, or
+/// [`WIDE_ROWS`] rows of four.
+const SCRATCH: usize = MAX_PASS_ROWS * 2 * PANEL;
+const _: () = assert!(WIDE_ROWS * 4 * PANEL <= SCRATCH);
+
 /// Inconsistent operand sizes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ShapeError {
@@ -210,6 +225,13 @@ unsafe fn panels<V: Lanes, E: WeightElement, const M: usize, const P: usize>(
                     q += 2;
                 }
             }
+            // A few rows of 16-bit weights in 512-bit registers: four panels per step.
+            if P == 2 && j1 - j0 <= WIDE_ROWS && V::WIDTH == PANEL && size_of::<E>() == 2 {
+                while q + 4 <= p1 {
+                    panel_rows::<V, E, WIDE_ROWS, 4>(p, q, j0, j1, p1);
+                    q += 4;
+                }
+            }
             while q + P <= p1 {
                 panel_rows::<V, E, M, P>(p, q, j0, j1, p1);
                 q += P;
@@ -246,7 +268,8 @@ pub(crate) fn row_groups(
 /// FMA chains to hide the FMA latency.
 ///
 /// # Safety
-/// As [`panels`], with `q + P ≤ end` panels and `j1 - j0 ≤ MAX_PASS_ROWS`.
+/// As [`panels`], with `q + P ≤ end` panels, `j1 - j0 ≤ MAX_PASS_ROWS` and
+/// `(j1 - j0) · P · PANEL ≤ SCRATCH`.
 #[inline(always)]
 unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>(
     p: &Problem<E>,
@@ -259,8 +282,11 @@ unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>
     let rows = j1 - j0;
     let groups = row_groups(rows, M);
     // Partial sums between chunks (every row written by the first chunk before it is read).
-    let mut scratch = std::mem::MaybeUninit::<[[f32; 2 * PANEL]; MAX_PASS_ROWS]>::uninit();
+    // Rows of `P · PANEL` floats.
+    let mut scratch = std::mem::MaybeUninit::<[f32; SCRATCH]>::uninit();
     let scratch = scratch.as_mut_ptr().cast::<f32>();
+    let cols = P * PANEL;
+    debug_assert!(rows * cols <= SCRATCH);
     // The last chunk's sums go straight to `y` when the tile's panels hold only real outputs
     // (the last panel of a matrix may be padded).
     let col0 = q * PANEL;
@@ -278,13 +304,14 @@ unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>
             let i1 = (i0 + CHUNK).min(k);
             // Prefetch the next chunk's lines (of each of the P panels, or of the next panels
             // after the last chunk), spread evenly over the row groups.
-            // (Pointers past a panel are only formed, with wrapping arithmetic, for P = 2.)
-            let next = if i1 < k {
-                [w.add(i1 * PANEL), w.wrapping_add(k * PANEL + i1 * PANEL)]
+            // (Pointers past the matrix are only formed, with wrapping arithmetic; the tile
+            // prefetches the first P.)
+            let next: [*const E; 4] = if i1 < k {
+                std::array::from_fn(|pp| w.wrapping_add(pp * k * PANEL + i1 * PANEL))
             } else if next_panels > P {
-                [w.add(P * k * PANEL), w.wrapping_add((P + 1) * k * PANEL)]
+                std::array::from_fn(|pp| w.wrapping_add((P + pp) * k * PANEL))
             } else {
-                [std::ptr::null(); 2]
+                [std::ptr::null(); 4]
             };
             let count = groups.len();
             for (g, group) in groups.clone().enumerate() {
@@ -297,7 +324,7 @@ unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>
                     to_l2,
                     far: g == 0 && count == 1,
                 };
-                let sums = scratch.add((j - j0) * 2 * PANEL);
+                let sums = scratch.add((j - j0) * cols);
                 let dst = match direct && i1 == k {
                     true => Sums {
                         at: p.y.add(j * p.out + col0),
@@ -305,7 +332,7 @@ unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>
                     },
                     false => Sums {
                         at: sums,
-                        stride: 2 * PANEL,
+                        stride: cols,
                     },
                 };
                 macro_rules! tile_of {
@@ -323,7 +350,7 @@ unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>
         // Copy the finished sums of a padded panel.
         if !direct {
             for r in 0..rows {
-                let row = scratch.add(r * 2 * PANEL);
+                let row = scratch.add(r * cols);
                 std::ptr::copy_nonoverlapping(row, p.y.add((j0 + r) * p.out + col0), valid);
             }
         }
@@ -338,11 +365,11 @@ struct Sums {
 }
 
 /// The prefetches one row group issues during one chunk: `lines` cache lines from line
-/// `first` of each of the (up to two) areas in `next`, spread over `steps` steps, into L1 or
+/// `first` of each of the first `P` areas in `next`, spread over `steps` steps, into L1 or
 /// (`to_l2`) into L2 only; and where `far` (the pass's only group), each panel's line
 /// [`FAR_STEPS`] steps ahead into L2.
 struct Prefetch<E> {
-    next: [*const E; 2],
+    next: [*const E; 4],
     first: usize,
     lines: usize,
     steps: usize,
@@ -351,7 +378,7 @@ struct Prefetch<E> {
 }
 
 /// Continues the `M × (P·16)` sums of activation rows `j..j+M` with panels at `w` over steps
-/// `i0..i1` (from zero at `i0 = 0`, else from `acc_rows`: rows of `2 · PANEL` floats) and
+/// `i0..i1` (from zero at `i0 = 0`, else from `acc_rows`: rows of `P · PANEL` floats) and
 /// stores them to `dst`.
 ///
 /// # Safety
@@ -386,7 +413,7 @@ unsafe fn tile<V: Lanes, E: WeightElement, const M: usize, const P: usize>(
         if i0 > 0 {
             for (m, acc_m) in acc.iter_mut().enumerate() {
                 for (c, a) in acc_m.iter_mut().enumerate().take(vecs) {
-                    *a = V::load(acc_rows.add(m * 2 * PANEL + c * V::WIDTH));
+                    *a = V::load(acc_rows.add(m * P * PANEL + c * V::WIDTH));
                 }
             }
         }
@@ -454,7 +481,8 @@ mod x86 {
         unsafe { panels::<__m256, E, 6, 1>(p, p0, p1) }
     }
 
-    /// AVX-512: 12 rows × two panels (one register each) = 24 accumulators of 32 registers.
+    /// AVX-512: 12 rows × two panels (one register each) = 24 accumulators of 32 registers
+    /// (few rows of 16-bit weights: 6 × four panels, see [`super::WIDE_ROWS`]).
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     pub(super) unsafe fn panels_avx512<E: WeightElement>(p: &Problem<E>, p0: usize, p1: usize) {
         unsafe { panels::<__m512, E, 12, 2>(p, p0, p1) }
@@ -518,8 +546,9 @@ mod tests {
     /// Each ISA computes exactly the FMA chain, which is close to the exact product.
     fn exact_chain_close_to_naive<E: WeightElement>() {
         let pool = Pool::new(3);
-        for k in [1, 7, 16, 33, 100] {
-            for out in [1, 5, 16, 17, 37, 64] {
+        // k = 300: several chunks; 61 and 64 outputs: four panels, the last padded or not.
+        for k in [1, 7, 16, 33, 100, 300] {
+            for out in [1, 5, 16, 17, 37, 61, 64] {
                 let w: Vec<E> = values(out * k, 7).into_iter().map(E::from_f32).collect();
                 let packed = PackedMatrix::pack(&w, out, k).unwrap();
                 assert_eq!(packed.unpack(), w);
