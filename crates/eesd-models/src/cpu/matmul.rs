@@ -55,9 +55,10 @@ const FAR_STEPS: usize = 192;
 /// step over two 16-bit panels reads one cache line where f32 reads two, for the same work per
 /// step (the broadcasts, the prefetch schedule, two FMA chains a row): on a 2-core Zen 4 EPYC
 /// one f16 row streamed its layers at ≈ 28 GB/s where f32 reached ≈ 38. Four panels per step,
-/// in the model (`block_cost`, alternated in one process): f16 one row −14–16% (10.0 → 8.5
-/// ms), 2–4 rows −3–16%, 5–6 rows −4–9%, bf16 alike; f32 level, so it keeps two. (AVX2, whose
-/// registers hold half a panel, gained nothing from four: its step already has 4 chains.)
+/// in the model (`block_cost`, alternated in one process, six runs): f16 one row −10–16% in
+/// five (10.0 → 8.5 ms), −2% in one; 2–4 rows −3–16%, 5–6 rows −4–7%, bf16 0–18%; f32 level,
+/// so it keeps two. (AVX2, whose registers hold half a panel, gained nothing from four: its
+/// step already has 4 chains a row.)
 const WIDE_ROWS: usize = 6;
 
 /// Floats in the partial-sum scratch of a pass: `MAX_PASS_ROWS` rows of two panels, or
