@@ -221,28 +221,35 @@ unsafe fn panels<V: Lanes, E: WeightElement, const M: usize, const P: usize>(
             // One or two rows against one panel are 2-4 FMA chains, too few to hide the FMA
             // latency (decoding f16 was bound by it): take two panels at a time instead.
             if P == 1 && j1 - j0 <= 2 && V::WIDTH < PANEL {
-                while q + 2 <= p1 {
-                    panel_rows::<V, E, 2, 2>(p, q, j0, j1, p1);
-                    q += 2;
-                }
+                panel_runs::<V, E, 2, 2>(p, &mut q, j0, j1, p1);
             }
             // A few rows of 16-bit weights in 512-bit registers: four panels per step.
             if P == 2 && j1 - j0 <= WIDE_ROWS && V::WIDTH == PANEL && size_of::<E>() == 2 {
-                while q + 4 <= p1 {
-                    panel_rows::<V, E, WIDE_ROWS, 4>(p, q, j0, j1, p1);
-                    q += 4;
-                }
+                panel_runs::<V, E, WIDE_ROWS, 4>(p, &mut q, j0, j1, p1);
             }
-            while q + P <= p1 {
-                panel_rows::<V, E, M, P>(p, q, j0, j1, p1);
-                q += P;
-            }
-            while q < p1 {
-                panel_rows::<V, E, M, 1>(p, q, j0, j1, p1);
-                q += 1;
-            }
+            panel_runs::<V, E, M, P>(p, &mut q, j0, j1, p1);
+            panel_runs::<V, E, M, 1>(p, &mut q, j0, j1, p1);
         }
         j0 = j1;
+    }
+}
+
+/// Panels from `*q`, `P` at a time while `P` of them remain before `end`, against activation
+/// rows `j0..j1` in groups of at most `M`; `*q` is left at the first panel not taken.
+///
+/// # Safety
+/// As [`panel_rows`].
+#[inline(always)]
+unsafe fn panel_runs<V: Lanes, E: WeightElement, const M: usize, const P: usize>(
+    p: &Problem<E>,
+    q: &mut usize,
+    j0: usize,
+    j1: usize,
+    end: usize,
+) {
+    while *q + P <= end {
+        unsafe { panel_rows::<V, E, M, P>(p, *q, j0, j1, end) };
+        *q += P;
     }
 }
 
