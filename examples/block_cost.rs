@@ -11,6 +11,8 @@
 //! the same block, after a chat prompt), its ratio to one token, the roofline time
 //! `max(bytes / bandwidth, flops / FMA peak + int8 ops / int8 peak)` (int8 ops: the natively
 //! quantized matrices' products) and efficiency = roofline / measured.
+//! The median pass of each block comes beside the best: on a shared host the gap between them
+//! says how far the host moved during the run (efficiency is taken from the best).
 //! With `--steps` (flex) it also splits the best pass of each block by step of the decoder
 //! layers (norms, products, RoPE, attention, gating, residuals, summed over the layers) and
 //! the rest outside them (embedding, final norm, LM head).
@@ -64,7 +66,8 @@ fn main() -> Result<()> {
     let cpu = matches!(args.device, Backend::Flex | Backend::Tch);
     let before = cpu.then(Roofline::measure);
     let path = fetch::resolve_model(None)?;
-    // (dtype, block, past, best seconds, cost, steps of the best pass) per measurement.
+    // (dtype, block, past, best seconds, median seconds, cost, steps of the best pass) per
+    // measurement.
     let mut timings = Vec::new();
     steps::record(args.steps);
     for &dtype in &args.dtypes {
@@ -87,8 +90,9 @@ fn main() -> Result<()> {
         // Repetitions go round the block sizes, so that a spell of stolen time on a shared
         // host spoils one repetition of each size rather than every repetition of one.
         let mut best = vec![(f64::INFINITY, Vec::new()); args.blocks.len()];
+        let mut all = vec![Vec::with_capacity(args.reps); args.blocks.len()];
         for _ in 0..args.reps {
-            for (&block, best) in args.blocks.iter().zip(best.iter_mut()) {
+            for ((&block, best), all) in args.blocks.iter().zip(best.iter_mut()).zip(&mut all) {
                 let tokens: Vec<u32> = (0..block as u32).map(|i| 100 + i).collect();
                 for _ in 0..args.warm {
                     cache.truncate(past);
@@ -101,13 +105,15 @@ fn main() -> Result<()> {
                 let _ = logits.into_data();
                 let seconds = start.elapsed().as_secs_f64();
                 let steps = steps::take();
+                all.push(seconds);
                 if seconds < best.0 {
                     *best = (seconds, steps);
                 }
             }
         }
-        for (&block, (best, steps)) in args.blocks.iter().zip(best) {
-            timings.push((dtype, block, past, best, m.forward_cost(block, past), steps));
+        for ((&block, (best, steps)), all) in args.blocks.iter().zip(best).zip(all) {
+            let cost = m.forward_cost(block, past);
+            timings.push((dtype, block, past, best, median(all), cost, steps));
         }
     }
     // The machine's limits: the best of a measurement before and one after the blocks.
@@ -117,23 +123,24 @@ fn main() -> Result<()> {
     }
     let mut rows = Vec::new();
     let mut one = None;
-    for (dtype, block, past, best, cost, steps) in timings {
+    for (dtype, block, past, best, median, cost, steps) in timings {
         if block == args.blocks[0] {
             one = Some(best);
         }
         let base = one.unwrap_or(best);
         let mut row = serde_json::json!({
             "dtype": dtype.name(), "block": block, "past": past, "ms": best * 1e3,
-            "ratio": best / base,
+            "ms_median": median * 1e3, "ratio": best / base,
             "weight_mb": cost.weight_bytes / 1e6, "cache_mb": cost.cache_bytes / 1e6,
             "gflop": cost.flops / 1e9,
             "int8_gop": cost.int8_ops / 1e9,
         });
         let mut line = format!(
-            "{:>4} block {block:>2}: {:7.2} ms ({:.2}x one token)",
+            "{:>4} block {block:>2}: {:7.2} ms ({:.2}x one token, median {:.2} ms)",
             dtype.name(),
             best * 1e3,
-            best / base
+            best / base,
+            median * 1e3
         );
         if let Some(machine) = &machine {
             let limit = machine.seconds(cost.bytes(), cost.flops, cost.int8_ops);
@@ -175,4 +182,15 @@ fn main() -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The middle value of `seconds` (the mean of the two middle ones for an even count).
+fn median(mut seconds: Vec<f64>) -> f64 {
+    seconds.sort_by(f64::total_cmp);
+    let n = seconds.len();
+    match n {
+        0 => f64::NAN,
+        _ if n % 2 == 1 => seconds[n / 2],
+        _ => (seconds[n / 2 - 1] + seconds[n / 2]) / 2.0,
+    }
 }
