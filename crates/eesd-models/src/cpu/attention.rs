@@ -513,6 +513,14 @@ pub fn attend<E: WeightElement>(
 /// Positions per softmax chunk (a multiple of the key block of 8 and the value chunk).
 pub const CHUNK: usize = 128;
 
+/// Key blocks widened to f32 at once for the rows of a tile (16 KiB with AVX-512).
+const WIDE_KEY_BLOCKS: usize = 4;
+
+/// Fewest rows of a tile for which 16-bit keys and values are widened to f32 first: with two,
+/// the conversion is paid for twice and costs more than it saves (one layer at 300-1,000 cached
+/// positions +17% on an Intel Xeon); from four on it gains.
+const WIDEN_MIN_ROWS: usize = 4;
+
 /// Most rows per attention task.
 const MAX_TILE_ROWS: usize = 8;
 
@@ -568,8 +576,8 @@ fn aligned_floats(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
 }
 
 thread_local! {
-    /// Scratch of a task (scores, a tree row's own scores, partials), reused by every call on
-    /// this thread.
+    /// Scratch of a task (widened keys or values, scores, partials, a tree row's own scores),
+    /// reused by every call on this thread.
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// Partials of a block whose chunks run as separate tasks, on the calling thread.
     static PARTS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
@@ -661,7 +669,8 @@ fn tile_for<E: WeightElement>(isa: Isa, job: &Tile<'_, E>, work: Work) {
             None => 0,
         };
         let (d, g, n) = (job.kv.d, job.group, job.rows);
-        let scratch = aligned_floats(scratch, n * g * (CHUNK + part_len(d) + own));
+        let widened = widened_len(d, job.kv.block);
+        let scratch = aligned_floats(scratch, widened + n * g * (CHUNK + part_len(d) + own));
         // `group_tiled` compiled for one register type with the instructions it needs.
         #[cfg(target_arch = "x86_64")]
         macro_rules! with_features {
@@ -812,12 +821,13 @@ unsafe fn run<V: Lanes, E: WeightElement, const G: usize, const T: usize, const 
 ) {
     let d = job.kv.d;
     let (n, part) = (job.rows, part_len(d));
+    let (widened, scratch) = scratch.split_at_mut(widened_len(d, job.kv.block));
     let (scores, rest) = scratch.split_at_mut(n * G * CHUNK);
     let (partials, own) = rest.split_at_mut(n * G * part);
     unsafe {
         match work {
             Work::Chunk { chunk: c, parts } => {
-                chunk::<V, E, G, T, C>(job, c, scores, own, parts, true)
+                chunk::<V, E, G, T, C>(job, c, widened, scores, own, parts, true)
             }
             Work::Fold { out, stride } => {
                 let parts = Parts {
@@ -827,7 +837,7 @@ unsafe fn run<V: Lanes, E: WeightElement, const G: usize, const T: usize, const 
                 };
                 let mut state = [[(0f32, 0f32); G]; MAX_TILE_ROWS];
                 for c in 0..job.chunks() {
-                    chunk::<V, E, G, T, C>(job, c, scores, own, parts, false);
+                    chunk::<V, E, G, T, C>(job, c, widened, scores, own, parts, false);
                     for (i, state) in state.iter_mut().enumerate().take(n) {
                         if job.len(i) <= c * CHUNK {
                             continue;
@@ -867,12 +877,13 @@ unsafe fn run<V: Lanes, E: WeightElement, const G: usize, const T: usize, const 
 /// `alone`: the chunk is a task of its own (not one of a task walking every chunk in order).
 ///
 /// # Safety
-/// As [`run`]; `scores` holds `rows · G · CHUNK` values and `own` (tree tiles) `rows · G ·`
-/// [`own_span`] values.
+/// As [`run`]; `widened` holds [`widened_len`] values, `scores` `rows · G · CHUNK` and `own`
+/// (tree tiles) `rows · G ·` [`own_span`] values.
 #[inline(always)]
 unsafe fn chunk<V: Lanes, E: WeightElement, const G: usize, const T: usize, const C: usize>(
     job: &Tile<'_, E>,
     c: usize,
+    widened: &mut [f32],
     scores: &mut [f32],
     own: &mut [f32],
     parts: Parts,
@@ -924,26 +935,56 @@ unsafe fn chunk<V: Lanes, E: WeightElement, const G: usize, const T: usize, cons
             .unwrap_or(0)
             .div_ceil(lanes);
         let to_l1 = T * block_stride * size_of::<E>() <= l1_ahead_bytes();
+        // With 16-bit keys and `WIDEN_MIN_ROWS` rows or more, each tile of key blocks is first
+        // widened to f32 (exactly) in `widened`: the rows' score tiles then read f32 instead of
+        // converting every key again, conversions that took the multiply-add ports (8-16 rows
+        // −9-13% on an Intel Xeon, docs/results.md).
+        let widen = E::KIND != Kind::F32 && n >= WIDEN_MIN_ROWS;
+        let tile = if widen { T.min(WIDE_KEY_BLOCKS) } else { T };
         let mut block = lo / lanes;
         while block * lanes < end {
-            let mut ahead = Ahead {
-                blocks: last_block.saturating_sub(block + T).min(T),
-                to_l1,
-            };
-            for i in 0..n {
-                let count = stored(i).div_ceil(lanes).saturating_sub(block).min(T);
-                if count == 0 {
-                    continue;
-                }
-                let (k, s) = (
-                    keys.add(block * block_stride),
-                    row_s(i).add(block * lanes - lo),
+            let count = |i: usize| stored(i).div_ceil(lanes).saturating_sub(block).min(tile);
+            let k = keys.add(block * block_stride);
+            let next_blocks = last_block.saturating_sub(block + tile).min(tile);
+            if widen {
+                let w = widened.as_mut_ptr();
+                let most = (0..n).map(count).max().unwrap_or(0);
+                let next = k.wrapping_add(tile * block_stride);
+                widen_into::<V, E>(
+                    k,
+                    most * block_stride,
+                    w,
+                    next,
+                    next_blocks * block_stride,
+                    false,
                 );
-                score_blocks::<V, E, G, T>(row_q(i), d, k, block_stride, s, CHUNK, count, ahead);
-                // The first row to score the tile asks for the next one.
-                ahead.blocks = 0;
+                for i in (0..n).filter(|&i| count(i) > 0) {
+                    let s = row_s(i).add(block * lanes - lo);
+                    let (stride, none) = (block_stride, Ahead::NONE);
+                    score_blocks::<V, f32, G, T>(row_q(i), d, w, stride, s, CHUNK, count(i), none);
+                }
+            } else {
+                let mut ahead = Ahead {
+                    blocks: next_blocks,
+                    to_l1,
+                };
+                for i in (0..n).filter(|&i| count(i) > 0) {
+                    let s = row_s(i).add(block * lanes - lo);
+                    score_blocks::<V, E, G, T>(
+                        row_q(i),
+                        d,
+                        k,
+                        block_stride,
+                        s,
+                        CHUNK,
+                        count(i),
+                        ahead,
+                    );
+                    // The first row to score the tile asks for the next one.
+                    ahead.blocks = 0;
+                }
             }
-            block += T;
+            block += tile;
         }
         // A tree row's tail: its own block positions' scores, then the ancestors' in order.
         if job.tree.is_some() {
@@ -1008,43 +1049,31 @@ unsafe fn chunk<V: Lanes, E: WeightElement, const G: usize, const T: usize, cons
             let mut from = lo;
             while from < end {
                 let to = (from + step).min(end);
-                let mut i = 0;
-                while i < n {
-                    // Two rows share each value load where the registers hold both tiles: over
-                    // the positions both reach, then the longer row alone (its sums continue
-                    // from what the pair stored, so every chain keeps its order).
-                    let end_i = to.min(stored(i));
-                    let end_j = if i + 1 < n {
-                        to.min(stored(i + 1))
-                    } else {
-                        from
+                // 16-bit values of as many rows: this chunk's columns widened to f32 once,
+                // as the keys are.
+                let widen = E::KIND != Kind::F32 && n >= WIDEN_MIN_ROWS;
+                if widen {
+                    let w = widened.as_mut_ptr();
+                    let len = if wide { C } else { 1 } * lanes;
+                    for p in from..to {
+                        let (src, at) = (values.add(p * width + col * lanes), (p - from) * width);
+                        let ahead = if p + step < end { len } else { 0 };
+                        let next = src.wrapping_add(step * width);
+                        widen_into::<V, E>(src, len, w.add(at + col * lanes), next, ahead, true);
+                    }
+                    // (The widening asked for the next chunk: nothing more ahead.)
+                    let sums = |i: usize| ValueSums {
+                        probs: row_s(i),
+                        values: w.cast_const(),
+                        width,
+                        head: parts.head,
+                        stored: 0,
                     };
-                    let both = end_i.min(end_j);
-                    if pairs::<V, G, C>() && wide && both > from {
-                        let rows = (from..both).map(|p| (p - lo, p));
-                        let (s, o) = ([sums(i), sums(i + 1)], [parts.at(i, 0), parts.at(i + 1, 0)]);
-                        value_tile::<V, E, G, C, 2, _>(&s, rows, from > lo, col, o);
-                        for (r, end) in [(i, end_i), (i + 1, end_j)] {
-                            if end > both {
-                                let rows = (both..end).map(|p| (p - lo, p));
-                                let (s, o) = ([sums(r)], [parts.at(r, 0)]);
-                                value_tile::<V, E, G, C, 1, _>(&s, rows, true, col, o);
-                            }
-                        }
-                        i += 2;
-                        continue;
-                    }
-                    let range = from..end_i;
-                    i += 1;
-                    if range.is_empty() {
-                        continue;
-                    }
-                    let rows = range.map(|p| (p - lo, p));
-                    let (s, o) = ([sums(i - 1)], [parts.at(i - 1, 0)]);
-                    match wide {
-                        true => value_tile::<V, E, G, C, 1, _>(&s, rows, from > lo, col, o),
-                        false => value_tile::<V, E, G, 1, 1, _>(&s, rows, from > lo, col, o),
-                    }
+                    value_rows::<V, f32, G, C>(
+                        &sums, n, from, to, lo, from, &stored, parts, col, wide,
+                    );
+                } else {
+                    value_rows::<V, E, G, C>(&sums, n, from, to, lo, 0, &stored, parts, col, wide);
                 }
                 from = to;
             }
@@ -1058,6 +1087,105 @@ unsafe fn chunk<V: Lanes, E: WeightElement, const G: usize, const T: usize, cons
             }
             col += if wide { C } else { 1 };
         }
+    }
+}
+
+/// Adds store positions `from..to` into the value sums of the tile's `n` rows (each up to where
+/// its stored positions end), columns `col..` (`C` of them where `wide`, else one): two rows
+/// share each value load where the registers hold both tiles. Position `p` is read at value row
+/// `p - shift` of `sums`.
+///
+/// # Safety
+/// As [`run`].
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn value_rows<V: Lanes, X: WeightElement, const G: usize, const C: usize>(
+    sums: &impl Fn(usize) -> ValueSums<X>,
+    n: usize,
+    from: usize,
+    to: usize,
+    lo: usize,
+    shift: usize,
+    stored: &impl Fn(usize) -> usize,
+    parts: Parts,
+    col: usize,
+    wide: bool,
+) {
+    unsafe {
+        let mut i = 0;
+        while i < n {
+            // Two rows share each value load where the registers hold both tiles: over
+            // the positions both reach, then the longer row alone (its sums continue
+            // from what the pair stored, so every chain keeps its order).
+            let end_i = to.min(stored(i));
+            let end_j = if i + 1 < n {
+                to.min(stored(i + 1))
+            } else {
+                from
+            };
+            let both = end_i.min(end_j);
+            if pairs::<V, G, C>() && wide && both > from {
+                let rows = (from..both).map(|p| (p - lo, p - shift));
+                let (s, o) = ([sums(i), sums(i + 1)], [parts.at(i, 0), parts.at(i + 1, 0)]);
+                value_tile::<V, X, G, C, 2, _>(&s, rows, from > lo, col, o);
+                for (r, end) in [(i, end_i), (i + 1, end_j)] {
+                    if end > both {
+                        let rows = (both..end).map(|p| (p - lo, p - shift));
+                        let (s, o) = ([sums(r)], [parts.at(r, 0)]);
+                        value_tile::<V, X, G, C, 1, _>(&s, rows, true, col, o);
+                    }
+                }
+                i += 2;
+                continue;
+            }
+            let range = from..end_i;
+            i += 1;
+            if range.is_empty() {
+                continue;
+            }
+            let rows = range.map(|p| (p - lo, p - shift));
+            let (s, o) = ([sums(i - 1)], [parts.at(i - 1, 0)]);
+            match wide {
+                true => value_tile::<V, X, G, C, 1, _>(&s, rows, from > lo, col, o),
+                false => value_tile::<V, X, G, 1, 1, _>(&s, rows, from > lo, col, o),
+            }
+        }
+    }
+}
+
+/// Floats of a task's widened keys or values: a tile of key blocks or a chunk of value rows.
+fn widened_len(d: usize, block: usize) -> usize {
+    (WIDE_KEY_BLOCKS * block).max(VALUE_CHUNK) * d
+}
+
+/// `dst[..len] = src[..len]` widened to f32 (exact), asking meanwhile for the first `ahead`
+/// elements from `next` (into L1 where `to_l1`, else L2).
+///
+/// # Safety
+/// `len` is a multiple of `V::WIDTH`, `src` holds `len` elements and `dst` room for them.
+#[inline(always)]
+unsafe fn widen_into<V: Lanes, E: WeightElement>(
+    src: *const E,
+    len: usize,
+    dst: *mut f32,
+    next: *const E,
+    ahead: usize,
+    to_l1: bool,
+) {
+    let per_line = LINE_BYTES / size_of::<E>();
+    for e in (0..len).step_by(V::WIDTH) {
+        if e < ahead && e.is_multiple_of(per_line) {
+            // (Never dereferenced; prefetches do not fault.)
+            let at = next.wrapping_add(e).cast::<u8>();
+            match to_l1 {
+                // SAFETY: prefetches never fault.
+                true => unsafe { V::prefetch(at) },
+                // SAFETY: as above.
+                false => unsafe { V::prefetch_l2(at) },
+            }
+        }
+        // SAFETY: e + WIDTH <= len elements, as the caller promises.
+        unsafe { V::load_weights(src.add(e)).store(dst.add(e)) };
     }
 }
 
