@@ -1051,7 +1051,6 @@ unsafe fn chunk<V: Lanes, E: WeightElement, const G: usize, const T: usize, cons
                 let to = (from + step).min(end);
                 // 16-bit values of as many rows: this chunk's columns widened to f32 once,
                 // as the keys are.
-                let widen = E::KIND != Kind::F32 && n >= WIDEN_MIN_ROWS;
                 if widen {
                     let w = widened.as_mut_ptr();
                     let len = if wide { C } else { 1 } * lanes;
