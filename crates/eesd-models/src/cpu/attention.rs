@@ -25,7 +25,7 @@ use super::l1::l1_data_bytes;
 use super::lanes::sealed::Kind;
 use super::lanes::{Lanes, Soft, WeightElement};
 use super::pool::{Disjoint, Pool};
-use super::rows::{exp, max_each, sum_each};
+use super::rows::{exp, softmax_each};
 use eesd_core::TreeMask;
 
 /// Positions per key block where AVX-512 is absent (the f32 lanes of one AVX2 register).
@@ -1010,19 +1010,9 @@ unsafe fn chunk<V: Lanes, E: WeightElement, const G: usize, const T: usize, cons
         // head's value exactly as alone).
         for i in (0..n).filter(|&i| hi(i) > lo) {
             let len = hi(i) - lo;
+            // The heads' scores are disjoint slices of `scores`.
             let head = |h: usize| std::slice::from_raw_parts_mut(row_s(i).add(h * CHUNK), len);
-            for h in 0..G {
-                for x in head(h).iter_mut() {
-                    *x *= scale;
-                }
-            }
-            let maxes = max_each::<G>(std::array::from_fn(|h| &*head(h)));
-            for (h, &max) in maxes.iter().enumerate() {
-                for x in head(h).iter_mut() {
-                    *x = exp(*x - max);
-                }
-            }
-            let sums = sum_each::<G>(std::array::from_fn(|h| &*head(h)));
+            let (maxes, sums) = softmax_each::<G>(std::array::from_fn(head), scale);
             for (h, (&max, &sum)) in maxes.iter().zip(&sums).enumerate() {
                 let p = parts.at(i, h);
                 *p.add(d) = max;

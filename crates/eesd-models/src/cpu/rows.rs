@@ -91,6 +91,25 @@ pub fn sum_each<const N: usize>(xs: [&[f32]; N]) -> [f32; N] {
     })
 }
 
+/// The unnormalised softmax of each of `N` score slices of one length, in place:
+/// `x ← e^(x·scale − m)`, with `m` the slice's largest scaled value; returns each slice's `m`
+/// and the sum of its exponentials ([`sum_each`]).
+///
+/// Three passes where scaling first took four: the maximum is found on the raw scores and
+/// then scaled, which is the same number, as rounding is monotonic and `scale > 0`
+/// (`max(x·s) = max(x)·s` exactly). Each pass runs over a whole slice, so that it vectorises.
+#[inline(always)]
+pub fn softmax_each<const N: usize>(mut xs: [&mut [f32]; N], scale: f32) -> ([f32; N], [f32; N]) {
+    debug_assert!(scale > 0.0);
+    let maxes = max_each(std::array::from_fn(|i| &*xs[i])).map(|m| m * scale);
+    for (x, &max) in xs.iter_mut().zip(&maxes) {
+        for v in x.iter_mut() {
+            *v = exp(*v * scale - max);
+        }
+    }
+    (maxes, sum_each(xs.map(|x| &*x)))
+}
+
 /// `Σ x²` in eight partial sums added in a fixed tree, then the tail in order.
 #[inline(always)]
 pub fn sum_of_squares(x: &[f32]) -> f32 {
@@ -210,6 +229,36 @@ mod tests {
             assert!(same_bits(&each, &alone), "sum, {len}");
             let rule = [sum_by_rule(&a), sum_by_rule(&b), sum_by_rule(&c)];
             assert!(same_bits(&alone, &rule), "sum rule, {len}");
+        }
+    }
+
+    #[test]
+    fn the_fused_softmax_equals_its_four_passes() {
+        for len in [0, 1, 7, 8, 9, 64, 100, 128] {
+            let row = |seed: u32| -> Vec<f32> {
+                (0..len as u32)
+                    .map(|i| ((i ^ seed).wrapping_mul(2_654_435_761) >> 8) as f32 * 1e-5 - 60.0)
+                    .collect()
+            };
+            let scale = 0.125;
+            let (mut a, mut b, mut c) = (row(1), row(2), row(3));
+            if len > 8 {
+                a[3] = f32::NAN;
+                c[len - 1] = f32::NEG_INFINITY;
+            }
+            let mut want = [a.clone(), b.clone(), c.clone()];
+            want.iter_mut().flatten().for_each(|x| *x *= scale);
+            let maxes = max_each([&want[0][..], &want[1], &want[2]]);
+            for (w, &m) in want.iter_mut().zip(&maxes) {
+                w.iter_mut().for_each(|x| *x = exp(*x - m));
+            }
+            let sums = sum_each([&want[0][..], &want[1], &want[2]]);
+            let (got_max, got_sum) = softmax_each([&mut a[..], &mut b, &mut c], scale);
+            assert!(same_bits(&got_max, &maxes), "max, {len}");
+            assert!(same_bits(&got_sum, &sums), "sum, {len}");
+            for (got, want) in [a, b, c].iter().zip(&want) {
+                assert!(same_bits(got, want), "values, {len}");
+            }
         }
     }
 
