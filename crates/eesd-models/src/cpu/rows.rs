@@ -205,14 +205,17 @@ mod tests {
         x[whole..].iter().fold(tree_sum(lanes), |s, &v| s + v)
     }
 
+    /// `len` deterministic values in `offset .. offset + 2^24 · step`.
+    fn scores(len: usize, seed: u32, step: f32, offset: f32) -> Vec<f32> {
+        (0..len as u32)
+            .map(|i| ((i ^ seed).wrapping_mul(2_654_435_761) >> 8) as f32 * step + offset)
+            .collect()
+    }
+
     #[test]
     fn reductions_of_several_slices_equal_each_alone() {
         for len in [0, 1, 7, 8, 9, 64, 100, 128] {
-            let row = |seed: u32| -> Vec<f32> {
-                (0..len as u32)
-                    .map(|i| ((i ^ seed).wrapping_mul(2_654_435_761) >> 8) as f32 * 1e-6 - 5.0)
-                    .collect()
-            };
+            let row = |seed| scores(len, seed, 1e-6, -5.0);
             let (mut a, b, mut c) = (row(1), row(2), row(3));
             if len > 8 {
                 // NaN is passed over by the maximum; infinities win it.
@@ -233,13 +236,9 @@ mod tests {
     }
 
     #[test]
-    fn the_fused_softmax_equals_its_four_passes() {
+    fn the_softmax_equals_its_four_passes() {
         for len in [0, 1, 7, 8, 9, 64, 100, 128] {
-            let row = |seed: u32| -> Vec<f32> {
-                (0..len as u32)
-                    .map(|i| ((i ^ seed).wrapping_mul(2_654_435_761) >> 8) as f32 * 1e-5 - 60.0)
-                    .collect()
-            };
+            let row = |seed| scores(len, seed, 1e-5, -60.0);
             let scale = 0.125;
             let (mut a, mut b, mut c) = (row(1), row(2), row(3));
             if len > 8 {
