@@ -1166,12 +1166,8 @@ unsafe fn widen_into<V: Lanes, E: WeightElement>(
         if e < ahead && e.is_multiple_of(per_line) {
             // (Never dereferenced; prefetches do not fault.)
             let at = next.wrapping_add(e).cast::<u8>();
-            match to_l1 {
-                // SAFETY: prefetches never fault.
-                true => unsafe { V::prefetch(at) },
-                // SAFETY: as above.
-                false => unsafe { V::prefetch_l2(at) },
-            }
+            // SAFETY: prefetches never fault.
+            unsafe { V::prefetch_into(at, to_l1) };
         }
         // SAFETY: e + WIDTH <= len elements, as the caller promises.
         unsafe { V::load_weights(src.add(e)).store(dst.add(e)) };
@@ -1205,10 +1201,7 @@ unsafe fn score_tile<V: Lanes, E: WeightElement, const G: usize, const T: usize>
                     let at = next
                         .wrapping_add(t * block_stride + c * V::WIDTH)
                         .cast::<u8>();
-                    match ahead.to_l1 {
-                        true => V::prefetch(at),
-                        false => V::prefetch_l2(at),
-                    }
+                    V::prefetch_into(at, ahead.to_l1);
                 }
             }
             let mut qs = [V::zero(); G];

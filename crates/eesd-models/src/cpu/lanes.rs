@@ -30,6 +30,17 @@ pub(crate) trait Lanes: Copy {
     /// from L1 what is being read now.
     #[inline(always)]
     unsafe fn prefetch_l2(_p: *const u8) {}
+    /// [`Lanes::prefetch`] where `to_l1`, else [`Lanes::prefetch_l2`].
+    #[inline(always)]
+    unsafe fn prefetch_into(p: *const u8, to_l1: bool) {
+        // SAFETY: prefetches never fault.
+        unsafe {
+            match to_l1 {
+                true => Self::prefetch(p),
+                false => Self::prefetch_l2(p),
+            }
+        }
+    }
 }
 
 /// A weight element type the kernels read: `f32`, [`half::f16`] or [`half::bf16`].

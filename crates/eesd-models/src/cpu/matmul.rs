@@ -449,10 +449,7 @@ unsafe fn tile<V: Lanes, E: WeightElement, const M: usize, const P: usize>(
                 if line < pf.first + pf.lines {
                     for area in pf.next.iter().take(P) {
                         let at = area.cast::<u8>().wrapping_add(line * LINE);
-                        match pf.to_l2 {
-                            true => V::prefetch_l2(at),
-                            false => V::prefetch(at),
-                        }
+                        V::prefetch_into(at, !pf.to_l2);
                     }
                     line += 1;
                 }

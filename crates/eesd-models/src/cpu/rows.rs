@@ -97,7 +97,9 @@ pub fn sum_each<const N: usize>(xs: [&[f32]; N]) -> [f32; N] {
 ///
 /// Three passes where scaling first took four: the maximum is found on the raw scores and
 /// then scaled, which is the same number, as rounding is monotonic and `scale > 0`
-/// (`max(x·s) = max(x)·s` exactly). Each pass runs over a whole slice, so that it vectorises.
+/// (`max(x·s) = max(x)·s` exactly; only where a tiny negative score scales to −0 beside a +0
+/// can the zero maximum's sign differ, which no exponential sees). Each pass runs over a whole
+/// slice, so that it vectorises.
 #[inline(always)]
 pub fn softmax_each<const N: usize>(mut xs: [&mut [f32]; N], scale: f32) -> ([f32; N], [f32; N]) {
     debug_assert!(scale > 0.0);
