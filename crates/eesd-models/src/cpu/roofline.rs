@@ -49,8 +49,8 @@ pub struct Roofline {
 impl Roofline {
     /// Measures bandwidth and FMA peak on the process-wide pool: the peaks with the detected
     /// ISA, the bandwidth at each of its load widths (about a second, and 512 MiB of memory for
-    /// the duration). Each is the best of many short runs,
-    /// so that a host stealing time now and then does not lower the bound.
+    /// the duration). Each is the best of many short runs, so that a host stealing time now and
+    /// then does not lower the bound.
     pub fn measure() -> Roofline {
         let pool = Pool::global();
         let isa = Isa::detect();
