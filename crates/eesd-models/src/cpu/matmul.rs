@@ -41,14 +41,25 @@ const CHUNK: usize = 128;
 /// Cache line size.
 const LINE: usize = 64;
 
-/// How many steps of the inner dimension ahead a pass of one row group also prefetches each
-/// panel into L2 (12 KiB of an f32 panel, 6 KiB of f16): the next-chunk prefetch alone is
-/// issued too late to cover memory latency on a host whose memory is slow to answer (a 2-core
-/// Zen 4 EPYC VM: f32 one row 17.7 → 16.9 ms, 8 rows 20.4 → 17.7 ms; f16 8 rows −3–5%; 128–320
-/// steps alike). Passes of several groups go without it: there the first group's burst of far
-/// prefetches held the cores back (a 2-core Intel Xeon with AMX, `matmul_cost --outs 1536
-/// --mb 800`: 16 rows 184 → 158 µs, 32 rows 267 → 231 µs; 1 and 8 rows alike).
-const FAR_STEPS: usize = 192;
+/// How many cache lines of each panel ahead of its reads a pass of one row group asks for
+/// into L1 ([`NEAR_LINES`]) and into L2 ([`FAR_LINES`]), continuing into the next panels of
+/// its range at a panel's end. This replaces, for such passes, the next chunk's prefetches
+/// (128 lines ahead in f32): a prefetch into L1 that has to go to memory holds one of the
+/// core's few line-fill buffers until its line arrives, and so many of them, that far ahead,
+/// held one f32 row's stream at ≈ 30 GB/s on a 2-core Intel Xeon (model 167) that reads 36-37
+/// GB/s. Near L1 prefetches find their lines on the way into L2 and free their buffers soon
+/// (`matmul_cost --outs 1536,49152 --rows 1,4,8 --mb 1600`, alternated twice: one row over
+/// the LM head 3.48-3.54 → 2.91-3.02 ms (39 GB/s), 1,536 outputs 123-124 → 110-112 µs, 4
+/// rows −7-10%, 8 rows −2-5%; AVX2 1 and 4 rows −9-15%; 12/32, 24/48 and 32/64 lines
+/// alike, 192 steps into L2 as before slower; docs/results.md). Passes of several groups keep
+/// the next chunk's prefetches spread over their groups: there the first group's far
+/// prefetches held the cores back (the same Xeon, `matmul_cost --outs 1536 --mb 800`: 16 rows
+/// 184 → 158 µs, 32 rows 267 → 231 µs without them), and near ones from the first group
+/// too (16 and 32 rows +10-15%).
+const NEAR_LINES: usize = 16;
+
+/// See [`NEAR_LINES`].
+const FAR_LINES: usize = 48;
 
 /// Blocks of at most this many rows with 16-bit weights take four panels at a time on
 /// AVX-512 (6 rows × 4 panels = 24 accumulators + 4 weight registers + a broadcast of 32). A
@@ -305,6 +316,7 @@ unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>
     let footprint = 2 * P * chunk_lines * LINE + rows.min(M) * CHUNK * size_of::<f32>();
     let to_l2 = footprint > l1_data_bytes();
     let next_panels = end.min(q + 2 * P) - q;
+    let count = groups.len();
     unsafe {
         let w = p.w.add(q * k * PANEL);
         let mut i0 = 0;
@@ -321,16 +333,19 @@ unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>
             } else {
                 [std::ptr::null(); 4]
             };
-            let count = groups.len();
             for (g, group) in groups.clone().enumerate() {
                 let (j, m) = (j0 + group.start, group.len());
+                let ahead = count == 1;
                 let pf = Prefetch {
                     next,
                     first: g * chunk_lines / count,
-                    lines: (g + 1) * chunk_lines / count - g * chunk_lines / count,
+                    lines: match ahead {
+                        true => 0,
+                        false => (g + 1) * chunk_lines / count - g * chunk_lines / count,
+                    },
                     steps: i1 - i0,
                     to_l2,
-                    far: g == 0 && count == 1,
+                    panels_after: next_panels - P,
                 };
                 let sums = scratch.add((j - j0) * cols);
                 let dst = match direct && i1 == k {
@@ -345,8 +360,15 @@ unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>
                 };
                 macro_rules! tile_of {
                     ($($r:literal)*) => {
-                        match m {
-                            $($r if $r <= M => tile::<V, E, $r, P>(p, w, j, i0, i1, sums, dst, &pf),)*
+                        match (m, ahead) {
+                            $(
+                                ($r, true) if $r <= M => {
+                                    tile::<V, E, $r, P, true>(p, w, j, i0, i1, sums, dst, &pf)
+                                }
+                                ($r, false) if $r <= M => {
+                                    tile::<V, E, $r, P, false>(p, w, j, i0, i1, sums, dst, &pf)
+                                }
+                            )*
                             _ => {}
                         }
                     };
@@ -373,28 +395,49 @@ struct Sums {
 }
 
 /// The prefetches one row group issues during one chunk: `lines` cache lines from line
-/// `first` of each of the first `P` areas in `next`, spread over `steps` steps, into L1 or
-/// (`to_l2`) into L2 only; and where `far` (the pass's only group), each panel's line
-/// [`FAR_STEPS`] steps ahead into L2.
+/// `first` of each of the first `P` areas in `next` (the next chunk), spread over `steps`
+/// steps, into L1 or (`to_l2`) into L2 only; or, in a tile that streams ahead (the pass's
+/// only group, which then has no `lines`), each panel's line [`NEAR_LINES`] ahead of the step
+/// into L1 and [`FAR_LINES`] ahead into L2, past a panel's end into the panel `P` further on
+/// while that is one of the `panels_after` this tile's panels in the task's range.
 struct Prefetch<E> {
     next: [*const E; 4],
     first: usize,
     lines: usize,
     steps: usize,
     to_l2: bool,
-    far: bool,
+    panels_after: usize,
+}
+
+/// Step `s` of panel `pp` of the tile whose `P` panels of `k` steps start at `w`, where `s`
+/// may pass the panel's end: then the same step of panel `pp + P` less `k`, if that is one of
+/// the `panels_after` panels after the tile in its task's range. Formed with wrapping
+/// arithmetic, for prefetches only.
+#[inline(always)]
+fn stream_at<E, const P: usize>(
+    w: *const E,
+    k: usize,
+    pp: usize,
+    s: usize,
+    panels_after: usize,
+) -> Option<*const E> {
+    match s < k {
+        true => Some(w.wrapping_add((pp * k + s) * PANEL)),
+        false => (pp < panels_after).then(|| w.wrapping_add(((pp + P) * k + s - k) * PANEL)),
+    }
 }
 
 /// Continues the `M × (P·16)` sums of activation rows `j..j+M` with panels at `w` over steps
 /// `i0..i1` (from zero at `i0 = 0`, else from `acc_rows`: rows of `P · PANEL` floats) and
-/// stores them to `dst`.
+/// stores them to `dst`. `AHEAD`: the pass's only group, which streams its panels ahead (see
+/// [`Prefetch`]); a constant, so that the step loop of several groups carries no test of it.
 ///
 /// # Safety
 /// As [`panels`], with `j + M ≤ b`, `i1 ≤ k`, `acc_rows` and `dst` holding `M` rows, and `P`
 /// panels at `w`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile<V: Lanes, E: WeightElement, const M: usize, const P: usize>(
+unsafe fn tile<V: Lanes, E: WeightElement, const M: usize, const P: usize, const AHEAD: bool>(
     p: &Problem<E>,
     w: *const E,
     j: usize,
@@ -435,12 +478,18 @@ unsafe fn tile<V: Lanes, E: WeightElement, const M: usize, const P: usize>(
         // Steps per cache line of a panel (1 in f32, 2 in f16/bf16).
         let steps_per_line = (LINE / (PANEL * size_of::<E>())).max(1);
         for i in i0..i1 {
-            if pf.far && i % steps_per_line == 0 {
+            if AHEAD && i % steps_per_line == 0 {
                 for pp in 0..P {
-                    // Past the panel: the next panel, which this task reads next (never
-                    // dereferenced; prefetches do not fault).
-                    let ahead = w.wrapping_add(pp * k * PANEL + (i + FAR_STEPS) * PANEL);
-                    V::prefetch_l2(ahead.cast());
+                    // Pointers past the matrix are only formed (wrapping), never dereferenced;
+                    // prefetches do not fault.
+                    let near = i + NEAR_LINES * steps_per_line;
+                    if let Some(at) = stream_at::<E, P>(w, k, pp, near, pf.panels_after) {
+                        V::prefetch(at.cast());
+                    }
+                    let far = i + FAR_LINES * steps_per_line;
+                    if let Some(at) = stream_at::<E, P>(w, k, pp, far, pf.panels_after) {
+                        V::prefetch_l2(at.cast());
+                    }
                 }
             }
             countdown -= 1;
