@@ -164,10 +164,19 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
-/// `buffer` resized to `len` (contents unspecified: every user overwrites it).
+/// Floats in a cache line.
+const LINE_FLOATS: usize = 16;
+
+/// `len` values of `buffer` from its first 64-byte boundary (contents unspecified: every user
+/// overwrites them): a product's rows (whose lengths are multiples of 16 floats on SmolLM2)
+/// then start on cache lines and take whole-line stores past the caches (module `matmul`).
 fn sized(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
-    buffer.resize(len, 0.0);
-    &mut buffer[..len]
+    buffer.resize(len + LINE_FLOATS, 0.0);
+    let off = buffer
+        .as_ptr()
+        .align_offset(4 * LINE_FLOATS)
+        .min(LINE_FLOATS);
+    &mut buffer[off..off + len]
 }
 
 /// A sequence's new rows after the q/k/v product and RoPE: `qkv` rows `width` apart, the

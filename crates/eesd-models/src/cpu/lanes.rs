@@ -18,6 +18,13 @@ pub(crate) trait Lanes: Copy {
     unsafe fn splat(p: *const f32) -> Self;
     /// Stores the lanes to `p` (unaligned).
     unsafe fn store(self, p: *mut f32);
+    /// Stores the lanes to `p`, aligned to the register's size, past the caches (a
+    /// non-temporal store: no read of the line first; [`Lanes::store`] where there is none).
+    /// The storing thread fences before others read the values.
+    #[inline(always)]
+    unsafe fn store_stream(self, p: *mut f32) {
+        unsafe { self.store(p) }
+    }
     /// `a · b + acc` per lane with one rounding.
     unsafe fn mul_add(a: Self, b: Self, acc: Self) -> Self;
     /// `WIDTH` weights from `p` (unaligned), widened to f32 (exactly: every f16 and bf16 value
@@ -182,6 +189,10 @@ pub(crate) mod x86 {
             unsafe { _mm256_storeu_ps(p, self) }
         }
         #[inline(always)]
+        unsafe fn store_stream(self, p: *mut f32) {
+            unsafe { _mm256_stream_ps(p, self) }
+        }
+        #[inline(always)]
         unsafe fn mul_add(a: Self, b: Self, acc: Self) -> Self {
             unsafe { _mm256_fmadd_ps(a, b, acc) }
         }
@@ -226,6 +237,10 @@ pub(crate) mod x86 {
         #[inline(always)]
         unsafe fn store(self, p: *mut f32) {
             unsafe { _mm512_storeu_ps(p, self) }
+        }
+        #[inline(always)]
+        unsafe fn store_stream(self, p: *mut f32) {
+            unsafe { _mm512_stream_ps(p, self) }
         }
         #[inline(always)]
         unsafe fn mul_add(a: Self, b: Self, acc: Self) -> Self {

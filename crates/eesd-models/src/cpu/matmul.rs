@@ -72,6 +72,13 @@ const FAR_LINES: usize = 48;
 /// step already has 4 chains a row.)
 const WIDE_ROWS: usize = 6;
 
+/// Passes of at most this many rows per byte of a weight (24 in f32, 12 in f16/bf16: where
+/// the product is bound by the weight stream more than by the FMAs) store their finished sums
+/// past the caches (see [`Sums`]). Beyond, the products are bound by the FMAs, and the sums'
+/// readers found them in memory instead of the caches: f16 and bf16 blocks of 16-64 rows took
+/// 2-7% longer with them (`block_cost`, alternated twice).
+const STREAM_ROWS_PER_WEIGHT_BYTE: usize = 6;
+
 /// Floats in the partial-sum scratch of a pass: `MAX_PASS_ROWS` rows of two panels, or
 /// [`WIDE_ROWS`] rows of four.
 const SCRATCH: usize = MAX_PASS_ROWS * 2 * PANEL;
@@ -118,10 +125,23 @@ impl<E: WeightElement> PackedMatrix<E> {
     pub fn matmul_to_vec(&self, x: &[f32]) -> Result<Vec<f32>, ShapeError> {
         let b = x.len() / self.k();
         let len = b * self.out();
-        let mut y: Vec<f32> = Vec::with_capacity(len);
-        // SAFETY: `y` has room for `len` values; the kernel writes all of them before `set_len`.
+        // The product goes to the first 64-byte boundary in the vector, where its rows take
+        // whole-line stores past the caches (see `Sums`), and then moves to its start.
+        let mut y: Vec<f32> = Vec::with_capacity(len + LINE / size_of::<f32>());
+        let off = y.as_ptr().align_offset(LINE).min(LINE / size_of::<f32>());
+        // SAFETY: `y` has room for `off + len` values; the kernel writes all `len` of them at
+        // `off`, and they are moved to the start before `set_len`.
         unsafe {
-            self.matmul_raw(Isa::detect(), Pool::global(), x, y.as_mut_ptr(), len)?;
+            self.matmul_raw(
+                Isa::detect(),
+                Pool::global(),
+                x,
+                y.as_mut_ptr().add(off),
+                len,
+            )?;
+            if off > 0 {
+                std::ptr::copy(y.as_ptr().add(off), y.as_mut_ptr(), len);
+            }
             y.set_len(len);
         }
         Ok(y)
@@ -211,6 +231,12 @@ unsafe fn panels_for<E: WeightElement>(isa: Isa, p: &Problem<E>, p0: usize, p1: 
         Isa::Avx2 => unsafe { x86::panels_avx2(p, p0, p1) },
         _ => unsafe { panels::<Soft<8>, E, 6, 1>(p, p0, p1) },
     }
+    // The task's non-temporal stores (see [`Sums`]) reach memory before the pool reports it
+    // done: they are not ordered by the pool's release.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
 }
 
 /// Panels `p0..p1`, `P` at a time, against activation rows in groups of at most `M`.
@@ -311,6 +337,7 @@ unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>
     let col0 = q * PANEL;
     let valid = (p.out - col0).min(P * PANEL);
     let direct = valid == P * PANEL;
+    let stream = rows <= STREAM_ROWS_PER_WEIGHT_BYTE * size_of::<E>();
     // The bytes after this tile's chunk: the rest of the panel(s), then the next panels.
     let chunk_lines = (CHUNK * PANEL * size_of::<E>()).div_ceil(LINE);
     let footprint = 2 * P * chunk_lines * LINE + rows.min(M) * CHUNK * size_of::<f32>();
@@ -352,10 +379,12 @@ unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>
                     true => Sums {
                         at: p.y.add(j * p.out + col0),
                         stride: p.out,
+                        stream,
                     },
                     false => Sums {
                         at: sums,
                         stride: cols,
+                        stream: false,
                     },
                 };
                 macro_rules! tile_of {
@@ -387,11 +416,23 @@ unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>
     }
 }
 
-/// Where a tile stores its sums: `M` rows of `stride` floats from `at`.
+/// Where a tile stores its sums: `M` rows of `stride` floats from `at`; `stream`: the
+/// finished sums in the product's output, stored past the caches (non-temporal) where a
+/// register's lines are whole.
+///
+/// Why: each finished tile writes a line or two in each of its rows, and the rows of an output
+/// lie a page or more apart. Stored as usual, every such line is first read from memory and
+/// the reads hold the core's line-fill buffers, which the weight stream needs: on a 2-core
+/// Xeon (model 167) an output of 49,152 columns cost 8 rows 3.65-3.74 ms where one row took
+/// 2.95, and 2.82-2.93 ms stored past the caches (`matmul_cost --outs 49152 --rows 8 --mb
+/// 1600`; 16 rows 4.46-4.59 → 3.74-3.78 ms; docs/results.md). A C probe of a 12-row tile
+/// streaming its weights ran at the stream's speed alone, 50% slower with its sums stored
+/// into such an output, 2-7% slower with them stored past the caches.
 #[derive(Clone, Copy)]
 struct Sums {
     at: *mut f32,
     stride: usize,
+    stream: bool,
 }
 
 /// The prefetches one row group issues during one chunk: `lines` cache lines from line
@@ -515,9 +556,20 @@ unsafe fn tile<V: Lanes, E: WeightElement, const M: usize, const P: usize, const
                 }
             }
         }
-        for (m, acc_m) in acc.iter().enumerate() {
-            for (c, a) in acc_m.iter().enumerate().take(vecs) {
-                a.store(dst.at.add(m * dst.stride + c * V::WIDTH));
+        // Past the caches only when every row's registers are whole lines (one test, so
+        // that both store sequences unroll and the sums stay in registers).
+        let lines = (dst.at as usize).is_multiple_of(LINE) && (dst.stride * 4).is_multiple_of(LINE);
+        if dst.stream && lines {
+            for (m, acc_m) in acc.iter().enumerate() {
+                for (c, a) in acc_m.iter().enumerate().take(vecs) {
+                    a.store_stream(dst.at.add(m * dst.stride + c * V::WIDTH));
+                }
+            }
+        } else {
+            for (m, acc_m) in acc.iter().enumerate() {
+                for (c, a) in acc_m.iter().enumerate().take(vecs) {
+                    a.store(dst.at.add(m * dst.stride + c * V::WIDTH));
+                }
             }
         }
     }
@@ -586,15 +638,28 @@ mod tests {
         y
     }
 
+    /// The product into a buffer that starts on a cache line (whole-line rows take stores
+    /// past the caches) and into one a float past it (they cannot); both must agree.
     fn product<E: WeightElement>(
         isa: Isa,
         pool: &Pool,
         x: &[f32],
         w: &PackedMatrix<E>,
     ) -> Vec<f32> {
-        let mut y = vec![f32::NAN; x.len() / w.k() * w.out()];
-        w.matmul_with(isa, pool, x, &mut y).unwrap();
-        y
+        let len = x.len() / w.k() * w.out();
+        let mut buffer = vec![f32::NAN; len + 17];
+        let line = buffer.as_ptr().align_offset(64).min(16);
+        let mut results = [line, line + 1].map(|at| {
+            let y = &mut buffer[at..at + len];
+            y.fill(f32::NAN);
+            w.matmul_with(isa, pool, x, y).unwrap();
+            y.to_vec()
+        });
+        assert!(
+            same_bits(&results[0], &results[1]),
+            "{isa:?}: aligned and not differ"
+        );
+        std::mem::take(&mut results[0])
     }
 
     /// Each ISA computes exactly the FMA chain, which is close to the exact product.
