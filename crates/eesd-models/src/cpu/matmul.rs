@@ -84,6 +84,11 @@ const STREAM_ROWS_PER_WEIGHT_BYTE: usize = 6;
 const SCRATCH: usize = MAX_PASS_ROWS * 2 * PANEL;
 const _: () = assert!(WIDE_ROWS * 4 * PANEL <= SCRATCH);
 
+/// Products of at most this many outputs (every matrix of a SmolLM2 layer, not its LM head)
+/// run as one range of panels per thread ([`Pool::run_even`]); larger ones in shrinking
+/// ranges ([`Pool::run_ranges`]).
+pub(crate) const EVEN_SPLIT_OUTPUTS: usize = 6144;
+
 /// Inconsistent operand sizes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ShapeError {
@@ -195,13 +200,18 @@ impl<E: WeightElement> PackedMatrix<E> {
             out,
         };
         let panels = out.div_ceil(PANEL);
-        // Two panels per scheduling unit (an AVX-512 tile), in shrinking ranges: the threads
-        // finish together, and a range's panels stream (and prefetch) as one run.
-        pool.run_ranges(panels.div_ceil(2), &|units| {
+        // Two panels per scheduling unit (an AVX-512 tile); a range's panels stream (and
+        // prefetch) as one run. A layer's product: one range per thread; a larger one (the LM
+        // head) in shrinking ranges, so that the threads finish together.
+        let task = |units: std::ops::Range<usize>| {
             let (p0, p1) = (units.start * 2, (units.end * 2).min(panels));
             // SAFETY: the sizes were checked above; tasks write disjoint output columns.
             unsafe { panels_for(isa, &problem, p0, p1) }
-        });
+        };
+        match out <= EVEN_SPLIT_OUTPUTS {
+            true => pool.run_even(panels.div_ceil(2), &task),
+            false => pool.run_ranges(panels.div_ceil(2), &task),
+        }
         Ok(())
     }
 }
