@@ -17,7 +17,7 @@ use burn_flex::FlexTensor;
 use super::attention::{Heads, HostKv, KvStore, attend};
 use super::flex::flex_f32;
 use super::lanes::WeightElement;
-use super::matmul::ShapeError;
+use super::matmul::{LINE_FLOATS, ShapeError, to_line};
 use super::packed::PackedWeight;
 use super::pool::{Disjoint, Pool};
 use super::q8::{Q8Rows, RowWriter};
@@ -164,18 +164,12 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
-/// Floats in a cache line.
-const LINE_FLOATS: usize = 16;
-
 /// `len` values of `buffer` from its first 64-byte boundary (contents unspecified: every user
 /// overwrites them): a product's rows (whose lengths are multiples of 16 floats on SmolLM2)
 /// then start on cache lines and take whole-line stores past the caches (module `matmul`).
 fn sized(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
     buffer.resize(len + LINE_FLOATS, 0.0);
-    let off = buffer
-        .as_ptr()
-        .align_offset(4 * LINE_FLOATS)
-        .min(LINE_FLOATS);
+    let off = to_line(buffer.as_ptr());
     &mut buffer[off..off + len]
 }
 

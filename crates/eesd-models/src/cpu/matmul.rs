@@ -41,6 +41,16 @@ const CHUNK: usize = 128;
 /// Cache line size.
 const LINE: usize = 64;
 
+/// Floats in a cache line.
+pub(crate) const LINE_FLOATS: usize = LINE / size_of::<f32>();
+
+/// Floats from `p` to the next cache-line boundary (at most [`LINE_FLOATS`]): where a buffer
+/// with that much slack puts a product's output so that whole-line rows take stores past the
+/// caches (see [`Sums`]).
+pub(crate) fn to_line(p: *const f32) -> usize {
+    p.align_offset(LINE).min(LINE_FLOATS)
+}
+
 /// How many cache lines of each panel ahead of its reads a pass of one row group asks for
 /// into L1 ([`NEAR_LINES`]) and into L2 ([`FAR_LINES`]), continuing into the next panels of
 /// its range at a panel's end. This replaces, for such passes, the next chunk's prefetches
@@ -83,11 +93,6 @@ const STREAM_ROWS_PER_WEIGHT_BYTE: usize = 6;
 /// [`WIDE_ROWS`] rows of four.
 const SCRATCH: usize = MAX_PASS_ROWS * 2 * PANEL;
 const _: () = assert!(WIDE_ROWS * 4 * PANEL <= SCRATCH);
-
-/// Products of at most this many outputs (every matrix of a SmolLM2 layer, not its LM head)
-/// run as one range of panels per thread ([`Pool::run_even`]); larger ones in shrinking
-/// ranges ([`Pool::run_ranges`]).
-pub(crate) const EVEN_SPLIT_OUTPUTS: usize = 6144;
 
 /// Inconsistent operand sizes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -132,8 +137,8 @@ impl<E: WeightElement> PackedMatrix<E> {
         let len = b * self.out();
         // The product goes to the first 64-byte boundary in the vector, where its rows take
         // whole-line stores past the caches (see `Sums`), and then moves to its start.
-        let mut y: Vec<f32> = Vec::with_capacity(len + LINE / size_of::<f32>());
-        let off = y.as_ptr().align_offset(LINE).min(LINE / size_of::<f32>());
+        let mut y: Vec<f32> = Vec::with_capacity(len + LINE_FLOATS);
+        let off = to_line(y.as_ptr());
         // SAFETY: `y` has room for `off + len` values; the kernel writes all `len` of them at
         // `off`, and they are moved to the start before `set_len`.
         unsafe {
@@ -201,17 +206,12 @@ impl<E: WeightElement> PackedMatrix<E> {
         };
         let panels = out.div_ceil(PANEL);
         // Two panels per scheduling unit (an AVX-512 tile); a range's panels stream (and
-        // prefetch) as one run. A layer's product: one range per thread; a larger one (the LM
-        // head) in shrinking ranges, so that the threads finish together.
-        let task = |units: std::ops::Range<usize>| {
+        // prefetch) as one run ([`Pool::run_product`]).
+        pool.run_product(out, panels.div_ceil(2), &|units| {
             let (p0, p1) = (units.start * 2, (units.end * 2).min(panels));
             // SAFETY: the sizes were checked above; tasks write disjoint output columns.
             unsafe { panels_for(isa, &problem, p0, p1) }
-        };
-        match out <= EVEN_SPLIT_OUTPUTS {
-            true => pool.run_even(panels.div_ceil(2), &task),
-            false => pool.run_ranges(panels.div_ceil(2), &task),
-        }
+        });
         Ok(())
     }
 }
@@ -347,7 +347,10 @@ unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>
     let col0 = q * PANEL;
     let valid = (p.out - col0).min(P * PANEL);
     let direct = valid == P * PANEL;
-    let stream = rows <= STREAM_ROWS_PER_WEIGHT_BYTE * size_of::<E>();
+    // Past the caches when every row's registers in the output are whole lines.
+    let stream = rows <= STREAM_ROWS_PER_WEIGHT_BYTE * size_of::<E>()
+        && (p.y as usize).is_multiple_of(LINE)
+        && (p.out * size_of::<f32>()).is_multiple_of(LINE);
     // The bytes after this tile's chunk: the rest of the panel(s), then the next panels.
     let chunk_lines = (CHUNK * PANEL * size_of::<E>()).div_ceil(LINE);
     let footprint = 2 * P * chunk_lines * LINE + rows.min(M) * CHUNK * size_of::<f32>();
@@ -427,8 +430,8 @@ unsafe fn panel_rows<V: Lanes, E: WeightElement, const M: usize, const P: usize>
 }
 
 /// Where a tile stores its sums: `M` rows of `stride` floats from `at`; `stream`: the
-/// finished sums in the product's output, stored past the caches (non-temporal) where a
-/// register's lines are whole.
+/// finished sums in the product's output, whose rows' registers are whole lines, stored past
+/// the caches (non-temporal).
 ///
 /// Why: each finished tile writes a line or two in each of its rows, and the rows of an output
 /// lie a page or more apart. Stored as usual, every such line is first read from memory and
@@ -566,10 +569,9 @@ unsafe fn tile<V: Lanes, E: WeightElement, const M: usize, const P: usize, const
                 }
             }
         }
-        // Past the caches only when every row's registers are whole lines (one test, so
-        // that both store sequences unroll and the sums stay in registers).
-        let lines = (dst.at as usize).is_multiple_of(LINE) && (dst.stride * 4).is_multiple_of(LINE);
-        if dst.stream && lines {
+        // One test for the tile (a test per store kept a 12-row tile's sums in memory
+        // inside the step loop), so that both store sequences unroll.
+        if dst.stream {
             for (m, acc_m) in acc.iter().enumerate() {
                 for (c, a) in acc_m.iter().enumerate().take(vecs) {
                     a.store_stream(dst.at.add(m * dst.stride + c * V::WIDTH));
@@ -657,8 +659,8 @@ mod tests {
         w: &PackedMatrix<E>,
     ) -> Vec<f32> {
         let len = x.len() / w.k() * w.out();
-        let mut buffer = vec![f32::NAN; len + 17];
-        let line = buffer.as_ptr().align_offset(64).min(16);
+        let mut buffer = vec![f32::NAN; len + LINE_FLOATS + 1];
+        let line = to_line(buffer.as_ptr());
         let mut results = [line, line + 1].map(|at| {
             let y = &mut buffer[at..at + len];
             y.fill(f32::NAN);

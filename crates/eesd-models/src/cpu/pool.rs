@@ -17,6 +17,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+/// Matrix products of at most this many outputs (every matrix of a SmolLM2 layer, not its LM
+/// head) run as one range per thread ([`Pool::run_product`]).
+pub(crate) const EVEN_SPLIT_OUTPUTS: usize = 6144;
+
 /// How long an idle worker spins before it parks.
 const SPIN: Duration = Duration::from_micros(300);
 
@@ -169,6 +173,17 @@ impl Pool {
     pub fn run_ranges(&self, units: usize, task: &(dyn Fn(Range<usize>) + Sync)) {
         let split = Guided::new(units, self.threads);
         self.run(split.tasks(), &|t| task(split.range(t)));
+    }
+
+    /// Runs the `units` of a matrix product of `outputs` outputs: a layer's product (at most
+    /// [`EVEN_SPLIT_OUTPUTS`]) as one range per thread ([`Pool::run_even`]), a larger one
+    /// (the LM head) in shrinking ranges ([`Pool::run_ranges`]) so that the threads finish
+    /// together.
+    pub fn run_product(&self, outputs: usize, units: usize, task: &(dyn Fn(Range<usize>) + Sync)) {
+        match outputs <= EVEN_SPLIT_OUTPUTS {
+            true => self.run_even(units, task),
+            false => self.run_ranges(units, task),
+        }
     }
 
     /// Runs `task(range)` over one contiguous range of `0..units` per thread (as equal as

@@ -296,20 +296,15 @@ impl QuantMatrix {
     unsafe fn matmul_q8(&self, isa: Isa, pool: &Pool, acts: &Q8Rows, y: *mut f32) {
         let isa = isa.supported();
         let y_ptr = super::pool::Disjoint(y);
-        // Units of 8 or 16 output rows inside one part ([`unit_rows`]): one range per thread
-        // for a layer's product, else in shrinking ranges ([`super::pool::Guided`]) so that
-        // the threads finish together (as the f32 kernel, `matmul::EVEN_SPLIT_OUTPUTS`).
+        // Units of 8 or 16 output rows inside one part ([`unit_rows`]), split as any
+        // product's ([`Pool::run_product`]).
         let units: usize = self
             .parts
             .iter()
             .map(|p| p.rows.div_ceil(unit_rows(isa)))
             .sum();
-        let outputs: usize = self.parts.iter().map(|p| p.rows).sum();
-        let run = match outputs <= super::matmul::EVEN_SPLIT_OUTPUTS {
-            true => Pool::run_even,
-            false => Pool::run_ranges,
-        };
-        run(pool, units, &|range| {
+        let outputs = self.parts.iter().map(|p| p.rows).sum();
+        pool.run_product(outputs, units, &|range| {
             let mut first = 0;
             for part in &self.parts {
                 let n = part.rows.div_ceil(unit_rows(isa));
