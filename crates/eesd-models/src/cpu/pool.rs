@@ -176,7 +176,7 @@ impl Pool {
     }
 
     /// Runs the `units` of a matrix product of `outputs` outputs: a layer's product (at most
-    /// [`EVEN_SPLIT_OUTPUTS`]) as one range per thread ([`Pool::run_even`]), a larger one
+    /// `EVEN_SPLIT_OUTPUTS`, 6,144) as one range per thread ([`Pool::run_even`]), a larger one
     /// (the LM head) in shrinking ranges ([`Pool::run_ranges`]) so that the threads finish
     /// together.
     pub fn run_product(&self, outputs: usize, units: usize, task: &(dyn Fn(Range<usize>) + Sync)) {
