@@ -10,10 +10,12 @@
 //! bench makes as many distinct `[out, k]` matrices as fill `--mb` megabytes, so that the
 //! weights stream from memory, and times one product per matrix back to back. A product's
 //! roofline is its weight bytes over the read bandwidth or its `2 · rows · out · k` flops over
-//! the FMA peak, whichever is longer; efficiency = roofline / measured. The host's bandwidth
-//! can move from second to second (a 2-core EPYC VM read 35 or 61 GB/s), so the time is the
-//! best of `--reps` passes, the sizes and row counts taken round in turn, and the roofline is
-//! the best of two probes, before and after.
+//! the FMA peak, whichever is longer; efficiency = roofline / measured. Each line also gives
+//! the product's rate as a fraction of the FMA peak: with `--mb 1` the matrices stay in the
+//! caches, and that fraction is the kernel's arithmetic efficiency, which the memory roofline
+//! does not describe there. The host's bandwidth can move from second to second (a 2-core EPYC
+//! VM read 35 or 61 GB/s), so the time is the best of `--reps` passes, the sizes and row counts
+//! taken round in turn, and the roofline is the best of two probes, before and after.
 
 #[path = "common/output.rs"]
 mod output;
@@ -112,10 +114,12 @@ fn main() -> Result<()> {
             let limit = machine.seconds(bytes, flops, 0.0);
             let (us, gb_s, efficiency) = (seconds * 1e6, bytes / seconds / 1e9, limit / seconds);
             let bound = machine.bound(bytes, flops, 0.0);
+            let of_fma_peak = flops / seconds / 1e9 / machine.fma_gflop_s;
             if !args.output.json {
                 println!(
                     "{} out {out:>6} rows {rows:>2}: {us:9.1} us per product, {gb_s:5.1} GB/s, \
-                     roofline {:8.1} us ({bound}), efficiency {efficiency:.2}",
+                     roofline {:8.1} us ({bound}), efficiency {efficiency:.2}, \
+                     {of_fma_peak:.2} of the FMA peak",
                     args.dtype,
                     limit * 1e6
                 );
@@ -124,6 +128,7 @@ fn main() -> Result<()> {
                 "dtype": args.dtype, "out": out, "k": args.k, "rows": rows,
                 "weight_mb": bytes / 1e6, "us": us, "gb_s": gb_s,
                 "roofline_us": limit * 1e6, "bound": bound, "efficiency": efficiency,
+                "of_fma_peak": of_fma_peak,
             }));
         }
     }
