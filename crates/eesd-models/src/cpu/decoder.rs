@@ -17,7 +17,8 @@ use burn_flex::FlexTensor;
 use super::attention::{Heads, HostKv, KvStore, attend};
 use super::flex::flex_f32;
 use super::lanes::WeightElement;
-use super::matmul::{LINE_FLOATS, ShapeError, to_line};
+use super::line::line_aligned;
+use super::matmul::ShapeError;
 use super::packed::PackedWeight;
 use super::pool::{Disjoint, Pool};
 use super::q8::{Q8Rows, RowWriter};
@@ -147,7 +148,9 @@ impl Weights {
 const PARALLEL_ROW_WORK: usize = 1 << 13;
 
 /// Buffers of one layer's intermediate rows, kept per thread and reused by every call (a
-/// forward pass allocates nothing per layer).
+/// forward pass allocates nothing per layer). Each is used from its first cache line
+/// ([`line_aligned`]): a product's rows (whose lengths are multiples of 16 floats on SmolLM2)
+/// then start on cache lines and take whole-line stores past the caches (module `matmul`).
 #[derive(Default)]
 struct Scratch {
     normed: Vec<f32>,
@@ -162,15 +165,6 @@ struct Scratch {
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
-}
-
-/// `len` values of `buffer` from its first 64-byte boundary (contents unspecified: every user
-/// overwrites them): a product's rows (whose lengths are multiples of 16 floats on SmolLM2)
-/// then start on cache lines and take whole-line stores past the caches (module `matmul`).
-fn sized(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
-    buffer.resize(len + LINE_FLOATS, 0.0);
-    let off = to_line(buffer.as_ptr());
-    &mut buffer[off..off + len]
 }
 
 /// A sequence's new rows after the q/k/v product and RoPE: `qkv` rows `width` apart, the
@@ -306,7 +300,7 @@ fn run(
         } = scratch;
         let mut laps = Laps::start();
         // Attention half.
-        let normed = sized(normed, t * h);
+        let normed = line_aligned(normed, t * h);
         let quantized = w.wqkv.quantized();
         norm_rows(
             x,
@@ -316,11 +310,11 @@ fn run(
             quantized.then(|| acts.writer(t, h)).as_ref(),
         );
         let qkv_w = (nh + 2 * nkv) * d;
-        let qkv = sized(qkv, t * qkv_w);
+        let qkv = line_aligned(qkv, t * qkv_w);
         laps.done(Step::AttnNorm);
         product(&w.wqkv, normed, quantized.then_some(&*acts), qkv)?;
         laps.done(Step::Qkv);
-        let attended = sized(attended, t * nh * d);
+        let attended = line_aligned(attended, t * nh * d);
         for s in seqs.iter_mut() {
             let past = s.cache.as_ref().map_or(0, |c| c.len());
             let n = s.rows.len();
@@ -361,7 +355,7 @@ fn run(
             }
             laps.done(Step::Attention);
         }
-        let projected = sized(projected, t * h);
+        let projected = line_aligned(projected, t * h);
         // The attended rows quantized in parallel where the output projection reads 8 bits.
         let quantized = w.wo.quantized();
         if quantized {
@@ -388,11 +382,11 @@ fn run(
                 quantized.then(|| acts.writer(t, h)).as_ref(),
             );
             let ffn = w_gate_up.out() / 2;
-            let gate_up = sized(gate_up, t * 2 * ffn);
+            let gate_up = line_aligned(gate_up, t * 2 * ffn);
             laps.done(Step::MlpNorm);
             product(w_gate_up, normed, quantized.then_some(&*acts), gate_up)?;
             laps.done(Step::GateUp);
-            let act = sized(act, t * ffn);
+            let act = line_aligned(act, t * ffn);
             let quantized = w_down.quantized();
             let q8 = quantized.then(|| acts.writer(t, ffn));
             pool.for_each_chunk(act, per_task * ffn, &|i, rows| {

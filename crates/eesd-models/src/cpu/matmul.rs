@@ -18,6 +18,7 @@
 use super::isa::Isa;
 use super::l1::l1_data_bytes;
 use super::lanes::{Lanes, Soft, WeightElement};
+use super::line::{LINE, LINE_FLOATS, to_line};
 
 use super::packed::{PANEL, PackedMatrix};
 use super::pool::Pool;
@@ -37,19 +38,6 @@ const MAX_PASS_ROWS: usize = 96;
 /// chunks on a 32 KiB L1 evicted the chunk being read: 8 f32 rows took ≈ 18.5 ms there with
 /// L1 prefetches, ≈ 16.5 ms with L2 ones; docs/results.md).
 const CHUNK: usize = 128;
-
-/// Cache line size.
-const LINE: usize = 64;
-
-/// Floats in a cache line.
-pub(crate) const LINE_FLOATS: usize = LINE / size_of::<f32>();
-
-/// Floats from `p` to the next cache-line boundary (at most [`LINE_FLOATS`]): where a buffer
-/// with that much slack puts a product's output so that whole-line rows take stores past the
-/// caches (see [`Sums`]).
-pub(crate) fn to_line(p: *const f32) -> usize {
-    p.align_offset(LINE).min(LINE_FLOATS)
-}
 
 /// How many cache lines of each panel ahead of its reads a pass of one row group asks for
 /// into L1 ([`NEAR_LINES`]) and into L2 ([`FAR_LINES`]), continuing into the next panels of

@@ -17,6 +17,7 @@ mod huge_pages;
 pub mod isa;
 mod l1;
 pub(crate) mod lanes;
+mod line;
 pub mod matmul;
 pub mod packed;
 pub mod pool;
